@@ -1,0 +1,114 @@
+"""gpukit: the practical GPU layer for PyTorch.
+
+>>> import gpukit as gk
+>>> dev = gk.device("auto")          # cuda:0 if a GPU is visible, else mps, else cpu
+>>> batch = gk.to_device({"x": [1, 2]}, dev)
+
+Public names are loaded on first use, so ``import gpukit`` (and with it ``gpukit list`` and
+``gpukit pick``) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from gpukit.errors import (
+    CheckpointError,
+    ClaimError,
+    CudaAlreadyInitializedError,
+    DeviceError,
+    DeviceMismatchError,
+    DistributedError,
+    GpukitError,
+    InvalidArgumentError,
+    MixedDevicesError,
+    NoDriverError,
+    NoGpuAvailableError,
+    UntrustedCheckpointError,
+    WaitTimeoutError,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it; submodules map to themselves.
+_EXPORTS: dict[str, str] = {
+    # devices
+    "device": "gpukit.devices",
+    "try_gpu": "gpukit.devices",
+    "try_all_gpus": "gpukit.devices",
+    "placement": "gpukit.devices",
+    "module_device": "gpukit.devices",
+    "system_info": "gpukit.sysinfo",
+    # transfer
+    "to_device": "gpukit.transfer",
+    # repro
+    "seed_everything": "gpukit.repro",
+    # visible devices
+    "visible_devices": "gpukit.visible",
+    "set_visible_devices": "gpukit.visible",
+    "physical_index": "gpukit.visible",
+    # inventory and selection
+    "inventory": "gpukit.inventory",
+    "Inventory": "gpukit.inventory",
+    "pick": "gpukit.select",
+    "claim": "gpukit.select",
+    # parallel
+    "DataParallel": "gpukit.parallel.data_parallel",
+    # checkpoints
+    "save": "gpukit.checkpoint",
+    "load": "gpukit.checkpoint",
+    "clean_state_dict": "gpukit.checkpoint",
+    "LoadReport": "gpukit.checkpoint",
+    # memory
+    "memory_report": "gpukit.memory",
+    "track_peak": "gpukit.memory",
+    "free_memory": "gpukit.memory",
+    "find_batch_size": "gpukit.memory",
+    # doctor
+    "check_devices": "gpukit.doctor",
+    "explain_device_errors": "gpukit.doctor",
+}
+_SUBMODULES = {"parallel", "distributed", "errors"}
+
+if TYPE_CHECKING:
+    from gpukit.devices import device, module_device, placement, try_all_gpus, try_gpu
+    from gpukit.repro import seed_everything
+    from gpukit.sysinfo import system_info
+    from gpukit.transfer import to_device
+
+__all__ = [
+    "CheckpointError",
+    "ClaimError",
+    "CudaAlreadyInitializedError",
+    "DeviceError",
+    "DeviceMismatchError",
+    "DistributedError",
+    "GpukitError",
+    "InvalidArgumentError",
+    "MixedDevicesError",
+    "NoDriverError",
+    "NoGpuAvailableError",
+    "UntrustedCheckpointError",
+    "WaitTimeoutError",
+    "__version__",
+    *sorted(_EXPORTS),
+    *sorted(_SUBMODULES),
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"gpukit.{name}")
+        globals()[name] = module
+        return module
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'gpukit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,1 @@
+"""The ``gpukit`` command: argument parsing and rendering only, one module per command."""

@@ -1,0 +1,44 @@
+"""Shared rendering for the commands: consoles that respect NO_COLOR and pipes, JSON output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A rich console for human output.
+
+    rich already honours ``NO_COLOR`` and drops colour and live updates when the stream is not
+    a terminal, so a log or a pipe receives plain lines.
+    """
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def print_json(payload: dict[str, Any]) -> None:
+    """Print ``payload`` (which carries its own ``schema`` field) as JSON on stdout."""
+    json.dump(payload, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def na(value: object, fmt: str = "{}") -> str:
+    """Format a reading, or ``n/a`` when the device could not give it."""
+    return "n/a" if value is None else fmt.format(value)
+
+
+def human_bytes(n: float | None) -> str:
+    """``1536 -> '1.5 KiB'``; ``None -> 'n/a'``."""
+    if n is None:
+        return "n/a"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,100 @@
+"""Entry point of the ``gpukit`` command.
+
+Only the module of the command being run is imported, so ``gpukit list`` and ``gpukit pick``
+never pay for torch. Each command module defines ``configure(parser)`` to add its arguments
+and ``run(args) -> int`` to do the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from gpukit.errors import ExitCode, GpukitError
+
+# name -> (module, one-line help). Order is the order of `gpukit --help`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("gpukit.cli.info", "everything torch and the driver know about this machine"),
+    "list": ("gpukit.cli.list_gpus", "one line per GPU with its memory, load and users"),
+    "pick": ("gpukit.cli.pick", "print the indices of free GPUs that meet the criteria"),
+    "run": ("gpukit.cli.run", "pick, claim and wait for GPUs, then run a command on them"),
+    "ckpt": ("gpukit.cli.ckpt", "inspect and repair checkpoints"),
+    "demo": ("gpukit.cli.demo", "train a small network on bundled digits over every device"),
+    "bench": ("gpukit.cli.bench", "measure this machine and gpukit against the alternatives"),
+}
+
+EPILOG = """exit codes:
+  0    success
+  1    internal failure (a bug: please report it with the traceback)
+  2    usage error (bad arguments, unknown device)
+  3    no NVIDIA driver or NVML on this machine
+  4    no GPU satisfies the criteria
+  124  waited past --timeout
+  gpukit run otherwise returns the exit code of the command it ran.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on exit code 2 and a pointer to --help."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(ExitCode.USAGE, f"gpukit: error: {message}\nTry '{self.prog} --help'.\n")
+
+
+def _command_module(name: str) -> ModuleType:
+    return importlib.import_module(COMMANDS[name][0])
+
+
+def build_parser(selected: str | None) -> argparse.ArgumentParser:
+    """The parser for ``gpukit``; only ``selected``'s own arguments are loaded."""
+    from gpukit import __version__
+
+    parser = _Parser(
+        prog="gpukit",
+        description="The practical GPU layer for PyTorch.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"gpukit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (_, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if name == selected:
+            _command_module(name).configure(command)
+    return parser
+
+
+def _selected(argv: Sequence[str]) -> str | None:
+    for arg in argv:
+        if arg in COMMANDS:
+            return arg
+        if not arg.startswith("-"):
+            return None
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gpukit`` with ``argv`` (default: the process arguments) and return the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    selected = _selected(args_list)
+    parser = build_parser(selected)
+    if not args_list:
+        parser.print_help()
+        return ExitCode.OK
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return ExitCode.USAGE
+    try:
+        return int(_command_module(args.command).run(args))
+    except GpukitError as exc:
+        print(f"gpukit {args.command}: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        print(f"gpukit {args.command}: interrupted.", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `gpukit list | head`: the reader left; not our failure
+        return ExitCode.OK

@@ -1,0 +1,185 @@
+"""Devices: parse a device spec, choose one automatically, and see where a module lives.
+
+Nothing here initialises CUDA: counting devices goes through ``torch.cuda.device_count()``,
+which asks the driver (or NVML) without creating a CUDA context, so that
+``gk.set_visible_devices`` still works after these calls.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from gpukit.errors import DeviceError, MixedDevicesError
+
+DeviceLike = torch.device | int | str
+
+_SPEC = re.compile(r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?$")
+_SUGGESTIONS = {
+    "gpu": "cuda",
+    "gpu:0": "cuda:0",
+    "nvidia": "cuda",
+    "metal": "mps",
+    "apple": "mps",
+    "host": "cpu",
+}
+
+__all__ = ["DeviceLike", "device", "module_device", "placement", "try_all_gpus", "try_gpu"]
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def _visible_summary() -> str:
+    """Describe the CUDA devices this process sees, for error messages."""
+    count = _cuda_count()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    env_text = "CUDA_VISIBLE_DEVICES is not set" if env is None else f"CUDA_VISIBLE_DEVICES={env}"
+    if count == 0:
+        built = "torch built with CUDA" if torch.version.cuda else "torch built without CUDA"
+        return f"this process sees no CUDA devices ({env_text}; {built})"
+    names = ", ".join(f"cuda:{i}" for i in range(count))
+    plural = "device" if count == 1 else "devices"
+    return f"this process sees {count} CUDA {plural} ({names}; {env_text})"
+
+
+def _check_cuda_index(index: int, spec: object) -> None:
+    count = _cuda_count()
+    if not 0 <= index < count:
+        hint = (
+            'Use one of those, or gk.device("auto").'
+            if count
+            else 'Use "cpu", or gk.device("auto") to fall back to the CPU.'
+        )
+        raise DeviceError(f"{spec} is not visible: {_visible_summary()}.", hint=hint)
+
+
+def _auto() -> torch.device:
+    if _cuda_count() > 0:
+        return torch.device("cuda", 0)
+    if _mps_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _validated(dev: torch.device, spec: object) -> torch.device:
+    if dev.type == "cuda":
+        index = dev.index
+        if index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        _check_cuda_index(index, spec)
+        return torch.device("cuda", index)
+    if dev.type == "mps" and not _mps_available():
+        raise DeviceError(
+            f"{spec} was asked for, but MPS (Apple's Metal backend) is not available here.",
+            hint='Use gk.device("auto") to pick the best device this machine has.',
+        )
+    return dev
+
+
+def device(spec: DeviceLike = "auto") -> torch.device:
+    """Turn a device spec into a checked ``torch.device``.
+
+    ``spec`` is a ``torch.device``, a CUDA index (``1``), or one of ``"cpu"``, ``"cuda"``,
+    ``"cuda:N"``, ``"mps"`` and ``"auto"``. ``"auto"`` is ``cuda:0`` when a CUDA device is
+    visible, else ``mps`` when available, else ``cpu``. ``"cuda"`` means the current CUDA device
+    (``cuda:0`` before CUDA starts), always returned with its index.
+
+    Raises :class:`~gpukit.errors.DeviceError` for unknown names and for devices this process
+    cannot see, listing the ones it can.
+
+    >>> device("cpu")
+    device(type='cpu')
+    """
+    if isinstance(spec, torch.device):
+        return _validated(spec, f"{spec}")
+    if isinstance(spec, bool):  # bool is an int subclass; True is not a device
+        raise DeviceError(f"{spec!r} is not a device.", hint='Pass an index, "cpu" or "auto".')
+    if isinstance(spec, int):
+        if spec < 0:
+            raise DeviceError(
+                f"CUDA device index {spec} is negative.", hint="Indices start at 0."
+            )
+        _check_cuda_index(spec, f"cuda:{spec}")
+        return torch.device("cuda", spec)
+    if not isinstance(spec, str):
+        raise DeviceError(
+            f"{spec!r} (a {type(spec).__name__}) is not a device spec.",
+            hint='Pass a torch.device, an int, or one of "cpu", "cuda", "cuda:N", "mps", "auto".',
+        )
+    if spec == "auto":
+        return _auto()
+    match = _SPEC.match(spec)
+    if match is None or (match["type"] != "cuda" and match["index"] not in (None, "0")):
+        suggestion = _SUGGESTIONS.get(spec.strip().lower())
+        hint = f'Did you mean "{suggestion}"? ' if suggestion else ""
+        raise DeviceError(
+            f"{spec!r} is not a device spec.",
+            hint=hint + 'Use "cpu", "cuda", "cuda:N", "mps", or "auto".',
+        )
+    return _validated(torch.device(spec), repr(spec) if spec != spec.strip() else spec)
+
+
+def try_gpu(i: int = 0) -> torch.device:
+    """Return ``cuda:i`` if that GPU is visible, else the CPU.
+
+    >>> try_gpu(7) if not __import__("torch").cuda.is_available() else None
+    device(type='cpu')
+    """
+    if 0 <= i < _cuda_count():
+        return torch.device("cuda", i)
+    return torch.device("cpu")
+
+
+def try_all_gpus() -> list[torch.device]:
+    """Return every visible CUDA device, or ``[cpu]`` when there is none."""
+    count = _cuda_count()
+    return [torch.device("cuda", i) for i in range(count)] or [torch.device("cpu")]
+
+
+def placement(module: nn.Module) -> dict[torch.device, list[str]]:
+    """Group a module's parameter and buffer names by the device they are on.
+
+    >>> placement(torch.nn.Linear(2, 2))
+    {device(type='cpu'): ['weight', 'bias']}
+    """
+    groups: defaultdict[torch.device, list[str]] = defaultdict(list)
+    for name, tensor in module.named_parameters():
+        groups[tensor.device].append(name)
+    for name, tensor in module.named_buffers():
+        groups[tensor.device].append(name)
+    return dict(groups)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The one device a module's parameters and buffers are on.
+
+    A module with neither (``nn.ReLU()``) is on the CPU. Raises
+    :class:`~gpukit.errors.MixedDevicesError` naming which tensors sit where when they disagree.
+    """
+    groups = placement(module)
+    if not groups:
+        return torch.device("cpu")
+    if len(groups) == 1:
+        return next(iter(groups))
+    parts = []
+    for dev, names in sorted(groups.items(), key=lambda item: -len(item[1])):
+        shown = ", ".join(names[:3]) + (f", and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"{dev}: {shown}")
+    raise MixedDevicesError(
+        f"{type(module).__name__} has parameters and buffers on {len(groups)} devices ("
+        + "; ".join(parts)
+        + ").",
+        hint="Move the whole module with module.to(device), or use gk.placement(module) "
+        "to see every name.",
+    )

@@ -1,0 +1,234 @@
+"""Move any nesting of tensors to a device: ``gk.to_device``.
+
+The walk is the hot path of every training loop that feeds a GPU, so it dispatches on the exact
+type first (dict, list, tuple, Tensor) and only falls back to ``isinstance`` checks for
+subclasses, dataclasses and objects with a ``.to`` method. Containers are rebuilt only when
+something inside them moved; otherwise the very same object comes back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+
+from gpukit.devices import DeviceLike
+from gpukit.devices import device as _parse_device
+from gpukit.errors import InvalidArgumentError
+
+T = TypeVar("T")
+KeyPath = tuple[Any, ...]
+
+__all__ = ["to_device"]
+
+
+class _Mover:
+    """One ``to_device`` call's settings, and the recursive walk over them."""
+
+    __slots__ = ("_nb", "_pin", "_skip_names", "_skip_paths", "_target", "_target_is_cuda")
+
+    def __init__(
+        self,
+        target: torch.device,
+        non_blocking: bool | Literal["auto"],
+        pin: bool,
+        skip_names: frozenset[Any],
+        skip_paths: frozenset[KeyPath],
+    ) -> None:
+        self._target = target
+        self._target_is_cuda = target.type == "cuda"
+        self._nb = non_blocking
+        self._pin = pin and self._target_is_cuda
+        self._skip_names = skip_names
+        self._skip_paths = skip_paths
+
+    # -- leaves ---------------------------------------------------------------------------
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self._target:
+            return t
+        if self._pin and t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        if self._nb == "auto":
+            # Non-blocking is only safe and useful from pinned host memory to a GPU: the host
+            # buffer stays alive and CUDA orders the copy before later kernels on the stream.
+            # Device-to-host non-blocking copies can be read before they finish.
+            nb = self._target_is_cuda and t.device.type == "cpu" and t.is_pinned()
+        else:
+            nb = self._nb
+        return t.to(self._target, non_blocking=nb)
+
+    def other(self, obj: Any, path: KeyPath | None) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        if isinstance(obj, nn.Module):
+            return obj.to(self._target)
+        if isinstance(obj, Mapping):
+            return self.mapping(obj, path)
+        if isinstance(obj, tuple):
+            return self.tuple_(obj, path)
+        if isinstance(obj, list):
+            return self.list_(obj, path)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return self.dataclass(obj, path)
+        to = getattr(obj, "to", None)
+        if callable(to) and not isinstance(obj, type):
+            try:
+                return to(self._target, non_blocking=self._nb is True)
+            except TypeError:  # a .to() that takes only the device
+                return to(self._target)
+        return obj
+
+    # -- walking --------------------------------------------------------------------------
+    def _skipped(self, key: Any, path: KeyPath | None) -> bool:
+        if key in self._skip_names:
+            return True
+        return path is not None and path in self._skip_paths
+
+    def walk(self, obj: Any, path: KeyPath | None) -> Any:
+        kind = type(obj)
+        if kind is torch.Tensor:
+            return self.tensor(obj)
+        if kind is dict:
+            return self.mapping(obj, path)
+        if kind is list:
+            return self.list_(obj, path)
+        if kind is tuple:
+            return self.tuple_(obj, path)
+        if kind in _LEAVES:
+            return obj
+        return self.other(obj, path)
+
+    def _child(self, value: Any, key: Any, path: KeyPath | None) -> Any:
+        if path is None:  # no skip rules: the fast path
+            return self.walk(value, None)
+        sub = (*path, key)
+        if self._skipped(key, sub):
+            return value
+        return self.walk(value, sub)
+
+    def mapping(self, obj: Mapping[Any, Any], path: KeyPath | None) -> Any:
+        changed: dict[Any, Any] = {}
+        for key, value in obj.items():
+            moved = self._child(value, key, path)
+            if moved is not value:
+                changed[key] = moved
+        if not changed:
+            return obj
+        if type(obj) is dict:
+            return {key: changed.get(key, value) for key, value in obj.items()}
+        if isinstance(obj, dict):
+            # A shallow copy keeps the subclass, defaultdict's factory and OrderedDict's order.
+            new = copy.copy(obj)
+            new.update(changed)
+            return new
+        return type(obj)({key: changed.get(key, value) for key, value in obj.items()})
+
+    def _items(self, obj: Iterable[Any], path: KeyPath | None) -> list[Any] | None:
+        moved_any = False
+        out = []
+        for i, value in enumerate(obj):
+            moved = self._child(value, i, path)
+            moved_any = moved_any or moved is not value
+            out.append(moved)
+        return out if moved_any else None
+
+    def list_(self, obj: list[Any], path: KeyPath | None) -> Any:
+        out = self._items(obj, path)
+        if out is None:
+            return obj
+        return out if type(obj) is list else type(obj)(out)
+
+    def tuple_(self, obj: tuple[Any, ...], path: KeyPath | None) -> Any:
+        if hasattr(obj, "_fields"):  # namedtuple: children are named by field
+            values = [
+                self._child(getattr(obj, field), field, path) for field in obj._fields
+            ]
+            if all(new is old for new, old in zip(values, obj)):
+                return obj
+            return type(obj)(*values)
+        out = self._items(obj, path)
+        if out is None:
+            return obj
+        return tuple(out) if type(obj) is tuple else type(obj)(out)
+
+    def dataclass(self, obj: Any, path: KeyPath | None) -> Any:
+        changed = {}
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            moved = self._child(value, field.name, path)
+            if moved is not value:
+                changed[field.name] = moved
+        if not changed:
+            return obj
+        # copy + object.__setattr__ works for frozen dataclasses and init=False fields alike.
+        new = copy.copy(obj)
+        for name, value in changed.items():
+            object.__setattr__(new, name, value)
+        return new
+
+
+_LEAVES: frozenset[type] = frozenset(
+    {str, bytes, int, float, bool, complex, type(None), torch.device, torch.dtype, range, slice}
+)
+
+
+def _parse_skip(skip: Iterable[Any]) -> tuple[frozenset[Any], frozenset[KeyPath]]:
+    if isinstance(skip, (str, bytes)):
+        skip = (skip,)
+    names: set[Any] = set()
+    paths: set[KeyPath] = set()
+    for entry in skip:
+        if isinstance(entry, tuple):
+            paths.add(entry)
+        elif isinstance(entry, str) and "." in entry:
+            paths.add(tuple(int(p) if p.isdigit() else p for p in entry.split(".")))
+        elif isinstance(entry, (str, int)):
+            names.add(entry)
+        else:
+            raise InvalidArgumentError(
+                f"skip entry {entry!r} is neither a key, a dotted key path, nor a tuple path.",
+                hint='Use "labels" (a key at any depth), "batch.meta.ids" or ("batch", 0).',
+            )
+    return frozenset(names), frozenset(paths)
+
+
+def to_device(
+    obj: T,
+    device: DeviceLike,
+    *,
+    non_blocking: bool | Literal["auto"] = "auto",
+    pin: bool = False,
+    skip: Iterable[Any] = (),
+) -> T:
+    """Move every tensor in ``obj`` to ``device`` and return the result.
+
+    ``obj`` may be a tensor, a module, or any nesting of dict (OrderedDict and defaultdict keep
+    their type and factory), list, tuple, namedtuple, dataclass (frozen too) and objects with a
+    ``.to`` method. Other leaves (str, numbers, None...) are kept as they are. Tensors already on
+    ``device``, and containers in which nothing moved, come back as the very same objects.
+    Modules are moved in place and returned.
+
+    ``non_blocking="auto"`` copies asynchronously only from pinned host memory to a GPU, where
+    that is both safe and useful; ``pin=True`` pins host tensors first when the target is a GPU.
+    ``skip`` leaves alone every value under a key named like an entry (``"labels"``), or at a
+    key path from the top (``"meta.ids"`` or ``("meta", "ids")``; list positions are ints).
+
+    >>> import torch
+    >>> batch = {"x": torch.ones(2), "ids": [1, 2], "name": "a"}
+    >>> to_device(batch, "cpu") is batch
+    True
+    """
+    if non_blocking not in (True, False, "auto"):
+        raise InvalidArgumentError(
+            f"non_blocking={non_blocking!r} is not understood.", hint='Use True, False or "auto".'
+        )
+    target = _parse_device(device)
+    names, paths = _parse_skip(skip)
+    mover = _Mover(target, non_blocking, pin, names, paths)
+    walked: T = mover.walk(obj, () if (names or paths) else None)
+    return walked
+
