@@ -1,0 +1,99 @@
+"""Timing helpers shared by the benchmark suites."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One measured figure, and the alternative it was measured against.
+
+    ``ratio`` is ``value / baseline_value``: below 1 means gpukit (or the first option) took
+    less time, or less memory, than the alternative.
+    """
+
+    suite: str
+    name: str
+    value: float
+    unit: str
+    baseline_name: str | None = None
+    baseline_value: float | None = None
+    target: str | None = None
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline_value in (None, 0):
+            return None
+        assert self.baseline_value is not None
+        return self.value / self.baseline_value
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain dict, with the ratio included."""
+        data = asdict(self)
+        data["ratio"] = self.ratio
+        return data
+
+
+def time_call(fn: Callable[[], object], *, number: int = 1) -> float:
+    """Seconds per call of ``fn``, averaged over ``number`` back-to-back calls."""
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - start) / number
+
+
+def compare(
+    candidates: dict[str, Callable[[], object]],
+    *,
+    repeat: int = 7,
+    number: int = 1,
+    warmup: int = 1,
+) -> dict[str, float]:
+    """Median seconds per call for each candidate, measured round-robin.
+
+    Interleaving the candidates (a, b, c, a, b, c, ...) spreads slow moments of a noisy machine
+    over all of them, so their ratio is far steadier than that of back-to-back runs.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            for name, fn in candidates.items():
+                samples[name].append(time_call(fn, number=number))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def machine_description() -> dict[str, Any]:
+    """What the figures were measured on: CPU, cores, Python, torch, GPUs."""
+    import torch
+
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else []
+    )
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpus": gpus,
+    }
