@@ -20,6 +20,34 @@ def machines_dir() -> Path:
     return MACHINES
 
 
+def subprocess_env(**extra: str | None) -> dict[str, str]:
+    """The current environment, with this checkout's ``src`` first on PYTHONPATH.
+
+    ``extra`` entries are added, or removed when None.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("GPUKIT_FAKE_NVML", None)
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run_python(code: str, **extra_env: str | None) -> str:
+    """Run ``python -c code`` in a fresh process with this checkout importable; return stdout."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(**extra_env),
+        check=True,
+        timeout=120,
+    ).stdout
+
+
 CliRunner = Callable[..., subprocess.CompletedProcess[str]]
 
 
@@ -36,21 +64,11 @@ def run_cli() -> CliRunner:
         timeout: float = 120,
         input: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT / "src"), *filter(None, [full_env.get("PYTHONPATH")])]
-        )
-        full_env.pop("GPUKIT_FAKE_NVML", None)
-        for key, value in (env or {}).items():
-            if value is None:
-                full_env.pop(key, None)
-            else:
-                full_env[key] = value
         return subprocess.run(
             [sys.executable, "-m", "gpukit", *args],
             capture_output=True,
             text=True,
-            env=full_env,
+            env=subprocess_env(**(env or {})),
             timeout=timeout,
             input=input,
             check=False,

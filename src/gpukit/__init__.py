@@ -72,10 +72,14 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = {"parallel", "distributed", "errors"}
 
 if TYPE_CHECKING:
-    from gpukit.devices import device, module_device, placement, try_all_gpus, try_gpu
-    from gpukit.repro import seed_everything
-    from gpukit.sysinfo import system_info
-    from gpukit.transfer import to_device
+    from gpukit.devices import device as device
+    from gpukit.devices import module_device as module_device
+    from gpukit.devices import placement as placement
+    from gpukit.devices import try_all_gpus as try_all_gpus
+    from gpukit.devices import try_gpu as try_gpu
+    from gpukit.repro import seed_everything as seed_everything
+    from gpukit.sysinfo import system_info as system_info
+    from gpukit.transfer import to_device as to_device
 
 __all__ = [
     "CheckpointError",

@@ -35,6 +35,11 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def cuda_initialized() -> bool:
+    """Whether CUDA has started in this process (never starts it)."""
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
 def _mps_available() -> bool:
     backend = getattr(torch.backends, "mps", None)
     return bool(backend is not None and backend.is_available())
@@ -74,9 +79,9 @@ def _auto() -> torch.device:
 
 def _validated(dev: torch.device, spec: object) -> torch.device:
     if dev.type == "cuda":
-        index = dev.index
+        index: int | None = dev.index
         if index is None:
-            index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+            index = torch.cuda.current_device() if cuda_initialized() else 0
         _check_cuda_index(index, spec)
         return torch.device("cuda", index)
     if dev.type == "mps" and not _mps_available():
@@ -107,9 +112,7 @@ def device(spec: DeviceLike = "auto") -> torch.device:
         raise DeviceError(f"{spec!r} is not a device.", hint='Pass an index, "cpu" or "auto".')
     if isinstance(spec, int):
         if spec < 0:
-            raise DeviceError(
-                f"CUDA device index {spec} is negative.", hint="Indices start at 0."
-            )
+            raise DeviceError(f"CUDA device index {spec} is negative.", hint="Indices start at 0.")
         _check_cuda_index(spec, f"cuda:{spec}")
         return torch.device("cuda", spec)
     if not isinstance(spec, str):
@@ -154,10 +157,10 @@ def placement(module: nn.Module) -> dict[torch.device, list[str]]:
     {device(type='cpu'): ['weight', 'bias']}
     """
     groups: defaultdict[torch.device, list[str]] = defaultdict(list)
-    for name, tensor in module.named_parameters():
-        groups[tensor.device].append(name)
-    for name, tensor in module.named_buffers():
-        groups[tensor.device].append(name)
+    for name, param in module.named_parameters():
+        groups[param.device].append(name)
+    for name, buffer in module.named_buffers():
+        groups[buffer.device].append(name)
     return dict(groups)
 
 

@@ -125,7 +125,8 @@ class _Mover:
             new = copy.copy(obj)
             new.update(changed)
             return new
-        return type(obj)({key: changed.get(key, value) for key, value in obj.items()})
+        rebuilt = {key: changed.get(key, value) for key, value in obj.items()}
+        return type(obj)(rebuilt)  # type: ignore[call-arg]
 
     def _items(self, obj: Iterable[Any], path: KeyPath | None) -> list[Any] | None:
         moved_any = False
@@ -144,10 +145,8 @@ class _Mover:
 
     def tuple_(self, obj: tuple[Any, ...], path: KeyPath | None) -> Any:
         if hasattr(obj, "_fields"):  # namedtuple: children are named by field
-            values = [
-                self._child(getattr(obj, field), field, path) for field in obj._fields
-            ]
-            if all(new is old for new, old in zip(values, obj)):
+            values = [self._child(getattr(obj, field), field, path) for field in obj._fields]
+            if all(new is old for new, old in zip(values, obj, strict=True)):
                 return obj
             return type(obj)(*values)
         out = self._items(obj, path)
@@ -231,4 +230,3 @@ def to_device(
     mover = _Mover(target, non_blocking, pin, names, paths)
     walked: T = mover.walk(obj, () if (names or paths) else None)
     return walked
-

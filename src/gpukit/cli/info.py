@@ -1,0 +1,118 @@
+"""``gpukit info``: everything torch and the driver know about this machine."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gpukit.cli._output import console, human_bytes, na, print_json
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the arguments of ``gpukit info``."""
+    parser.add_argument("--json", action="store_true", help="print a JSON report for programs")
+
+
+def collect() -> dict[str, Any]:
+    """The whole report: torch's view of the devices, plus the extra sections that are present."""
+    from gpukit.sysinfo import system_info
+
+    return system_info()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report as tables, or as JSON with ``--json``."""
+    info = collect()
+    if args.json:
+        print_json(info)
+        return 0
+    _render(info)
+    return 0
+
+
+def _kv_table(title: str, rows: list[tuple[str, str]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _render(info: dict[str, Any]) -> None:
+    out = console()
+    cuda = info["cuda"]
+    cudnn = info["cudnn"]
+    env = info["environment"]
+    cpu = info["cpu"]
+    if cuda["available"]:
+        headline = f"CUDA is available: {cuda['device_count']} device(s)."
+    elif cuda["built_with"] is None:
+        headline = "No GPU: this torch was built without CUDA, so everything runs on the CPU."
+    else:
+        headline = "No GPU: torch has CUDA support but sees no CUDA device (driver or devices)."
+    out.print(headline)
+    out.print()
+    out.print(
+        _kv_table(
+            "torch",
+            [
+                ("python", info["python"]),
+                ("torch", info["torch"]),
+                ("built with CUDA", na(cuda["built_with"])),
+                ("CUDA available", str(cuda["available"])),
+                ("device count", str(cuda["device_count"])),
+                ("current device", na(cuda["current_device"])),
+                ("arch list", " ".join(cuda["arch_list"]) or "n/a"),
+                ("MPS available", str(info["mps"]["available"])),
+            ],
+        )
+    )
+    out.print()
+    out.print(
+        _kv_table(
+            "cuDNN",
+            [
+                ("available", str(cudnn["available"])),
+                ("version", na(cudnn["version"])),
+                ("benchmark", str(cudnn["benchmark"])),
+                ("deterministic", str(cudnn["deterministic"])),
+            ],
+        )
+    )
+    out.print()
+    out.print(
+        _kv_table(
+            "environment and CPU",
+            [(name, na(value)) for name, value in env.items()]
+            + [
+                ("CPU", str(cpu["model"])),
+                ("cores (usable)", f"{cpu['logical_cores']} ({na(cpu['usable_cores'])})"),
+                ("torch threads", str(cpu["torch_threads"])),
+            ],
+        )
+    )
+    if cuda["devices"]:
+        _render_devices(out, cuda["devices"])
+
+
+def _render_devices(out: Any, devices: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="CUDA devices (torch's numbering)", title_justify="left")
+    for column in ("cuda", "name", "capability", "SMs", "free / total", "allocated", "reserved"):
+        table.add_column(column, justify="left" if column == "name" else "right")
+    for dev in devices:
+        table.add_row(
+            f"cuda:{dev['index']}",
+            dev["name"],
+            dev["compute_capability"],
+            str(dev["multiprocessors"]),
+            f"{human_bytes(dev['free_memory'])} / {human_bytes(dev['total_memory'])}",
+            human_bytes(dev["allocated"]),
+            human_bytes(dev["reserved"]),
+        )
+    out.print()
+    out.print(table)

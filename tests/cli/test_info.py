@@ -1,0 +1,46 @@
+"""`gpukit info` and the command's entry point."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import CliRunner
+
+
+def test_info_json_reports_torch_cuda_cudnn_and_cpu(run_cli: CliRunner) -> None:
+    result = run_cli("info", "--json", env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["schema"] == "gpukit.info/1"
+    assert info["torch"].startswith("2.")
+    assert set(info["cuda"]) >= {"available", "device_count", "devices", "arch_list"}
+    assert info["environment"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert info["cpu"]["torch_threads"] >= 1
+
+
+def test_info_without_a_gpu_says_so_plainly(run_cli: CliRunner) -> None:
+    result = run_cli("info", env={"NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("No GPU")
+    assert "cuDNN" in result.stdout
+    assert "\x1b[" not in result.stdout  # no colour codes into a pipe
+
+
+def test_no_arguments_prints_help_with_exit_codes(run_cli: CliRunner) -> None:
+    result = run_cli()
+    assert result.returncode == 0
+    assert "exit codes" in result.stdout
+    assert "124" in result.stdout
+
+
+def test_unknown_command_is_a_usage_error(run_cli: CliRunner) -> None:
+    result = run_cli("frobnicate")
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_version_is_printed(run_cli: CliRunner) -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.startswith("gpukit ")
