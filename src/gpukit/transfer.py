@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -90,7 +91,7 @@ class _Mover:
 
     def walk(self, obj: Any, path: KeyPath | None) -> Any:
         kind = type(obj)
-        if kind is torch.Tensor:
+        if kind is _Tensor:
             return self.tensor(obj)
         if kind is dict:
             return self.mapping(obj, path)
@@ -112,8 +113,9 @@ class _Mover:
 
     def mapping(self, obj: Mapping[Any, Any], path: KeyPath | None) -> Any:
         changed: dict[Any, Any] = {}
+        walk = self.walk
         for key, value in obj.items():
-            moved = self._child(value, key, path)
+            moved = walk(value, None) if path is None else self._child(value, key, path)
             if moved is not value:
                 changed[key] = moved
         if not changed:
@@ -129,13 +131,14 @@ class _Mover:
         return type(obj)(rebuilt)  # type: ignore[call-arg]
 
     def _items(self, obj: Iterable[Any], path: KeyPath | None) -> list[Any] | None:
-        moved_any = False
-        out = []
-        for i, value in enumerate(obj):
-            moved = self._child(value, i, path)
-            moved_any = moved_any or moved is not value
-            out.append(moved)
-        return out if moved_any else None
+        if path is None:
+            walk = self.walk
+            out = [walk(value, None) for value in obj]
+        else:
+            out = [self._child(value, i, path) for i, value in enumerate(obj)]
+        if all(new is old for new, old in zip(out, obj, strict=True)):
+            return None
+        return out
 
     def list_(self, obj: list[Any], path: KeyPath | None) -> Any:
         out = self._items(obj, path)
@@ -156,11 +159,11 @@ class _Mover:
 
     def dataclass(self, obj: Any, path: KeyPath | None) -> Any:
         changed = {}
-        for field in dataclasses.fields(obj):
-            value = getattr(obj, field.name)
-            moved = self._child(value, field.name, path)
+        for name in _field_names(type(obj)):  # type: ignore[arg-type]
+            value = getattr(obj, name)
+            moved = self._child(value, name, path)
             if moved is not value:
-                changed[field.name] = moved
+                changed[name] = moved
         if not changed:
             return obj
         # copy + object.__setattr__ works for frozen dataclasses and init=False fields alike.
@@ -170,6 +173,13 @@ class _Mover:
         return new
 
 
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    # dataclasses.fields() rebuilds its tuple on every call; a batch holds many of one type.
+    return tuple(field.name for field in dataclasses.fields(kind))
+
+
+_Tensor = torch.Tensor  # a module-level name is found faster than torch.Tensor in the hot loop
 _LEAVES: frozenset[type] = frozenset(
     {str, bytes, int, float, bool, complex, type(None), torch.device, torch.dtype, range, slice}
 )

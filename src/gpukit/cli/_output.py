@@ -16,9 +16,14 @@ def console(*, stderr: bool = False) -> Console:
     rich already honours ``NO_COLOR`` and drops colour and live updates when the stream is not
     a terminal, so a log or a pipe receives plain lines.
     """
+    import os
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # A log or a pipe has no width: don't fold tables to rich's 80-column default there.
+    width = None if stream.isatty() or "COLUMNS" in os.environ else 160
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
 
 def print_json(payload: dict[str, Any]) -> None:

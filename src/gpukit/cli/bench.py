@@ -1,0 +1,143 @@
+"""``gpukit bench``: run the benchmark suites that apply here and print their ratios."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpukit.cli._output import console
+from gpukit.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from gpukit.bench.core import BenchResult
+
+# suite -> module under gpukit.bench; run in this order.
+SUITES: dict[str, str] = {
+    "transfer": "gpukit.bench.transfer",
+    "data_parallel": "gpukit.bench.data_parallel",
+    "ddp": "gpukit.bench.ddp",
+    "checkpoint": "gpukit.bench.checkpoint",
+    "startup": "gpukit.bench.startup",
+    "batch_size": "gpukit.bench.batch_size",
+    "h2d": "gpukit.bench.h2d",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the arguments of ``gpukit bench``."""
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="SUITE",
+        help=f"run only this suite (repeatable): {', '.join(SUITES)}",
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds a suite")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
+
+
+def print_results(results: Sequence[BenchResult]) -> None:
+    """Print results as a table (value, alternative, ratio, target), notes underneath."""
+    from rich.table import Table
+
+    table = Table(title="gpukit bench", title_justify="left")
+    for column in ("suite", "measure", "gpukit", "against", "theirs", "ratio", "target"):
+        justify = "right" if column in ("gpukit", "theirs", "ratio") else "left"
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    notes: list[str] = []
+    for r in results:
+        ratio = r.ratio
+        mark = ""
+        if r.note:
+            notes.append(r.note)
+            mark = f" [{len(notes)}]"
+        table.add_row(
+            r.suite,
+            r.name + mark,
+            f"{r.value:.4g} {r.unit}",
+            r.baseline_name or "-",
+            f"{r.baseline_value:.4g} {r.unit}" if r.baseline_value is not None else "-",
+            f"{ratio:.2f}x" if ratio is not None else "-",
+            r.target or "",
+        )
+    out = console()
+    out.print(table)
+    for i, note in enumerate(notes, 1):
+        out.print(f"[{i}] {note}", markup=False)
+
+
+def _plot(results: Sequence[BenchResult], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise InvalidArgumentError(
+            "--plot needs matplotlib, which is not installed.",
+            hint="pip install 'gpukit[bench]', or leave out --plot.",
+        ) from exc
+    rows = [r for r in results if r.ratio is not None]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    labels = [f"{r.suite}: {r.name}\nvs {r.baseline_name}" for r in rows]
+    ax.barh(labels, [r.ratio or 0.0 for r in rows], color="#4c72b0")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("ratio (gpukit / alternative; below 1 is better for time and memory)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen suites with a progress bar, then print and optionally save the results."""
+    from rich.progress import Progress
+
+    from gpukit.bench.core import machine_description
+
+    chosen = args.only or list(SUITES)
+    unknown = [name for name in chosen if name not in SUITES]
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown suite {', '.join(unknown)}.", hint=f"Choose from {', '.join(SUITES)}."
+        )
+    results: list[BenchResult] = []
+    skipped: list[str] = []
+    err = console(stderr=True)
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("benchmarks", total=len(chosen))
+        for name in chosen:
+            progress.update(task, description=f"bench {name}")
+            try:
+                module = importlib.import_module(SUITES[name])
+            except ImportError:
+                skipped.append(f"{name}: not available in this installation")
+            else:
+                applies = getattr(module, "applies", None)
+                reason = applies() if applies is not None else None
+                if reason:
+                    skipped.append(f"{name}: {reason}")
+                else:
+                    results.extend(module.run(quick=args.quick))
+            progress.advance(task)
+    print_results(results)
+    for line in skipped:
+        err.print(f"skipped {line}")
+    if args.json:
+        payload: dict[str, Any] = {
+            "schema": "gpukit.bench/1",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_description(),
+            "quick": args.quick,
+            "results": [r.to_json() for r in results],
+            "skipped": skipped,
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
