@@ -1,0 +1,283 @@
+"""A stand-in for the ``pynvml`` module (nvidia-ml-py), answering from a machine description.
+
+Switched on for a whole process by ``GPUKIT_FAKE_NVML=<machine description file>``, so that
+tests, bug reports and demos can show how gpukit behaves on any machine without owning it. The
+fake implements the nvidia-ml-py functions gpukit calls, under their real names, and fails the
+way the real library fails: with real ``pynvml.NVMLError`` subclasses (``NotSupported`` for a
+reading the description gives as ``null``, ``LibraryNotFound`` from ``nvmlInit`` on a machine
+without a driver, ``Uninitialized`` before ``nvmlInit``). The code reading it is therefore the
+code that reads a real GPU.
+
+The description format (memory in bytes, power in milliwatts, temperature in Celsius,
+utilisation in percent, ``null`` = not supported)::
+
+    {"driver_version": "550.90.07", "cuda_driver_version": 12040,
+     "nvml_error": "LibraryNotFound",            # optional: nvmlInit fails with this error
+     "unsupported_functions": ["nvmlDeviceGetMemoryInfo_v2"],   # optional: FunctionNotFound
+     "gpus": [{"index": 0, "uuid": "GPU-...", "name": "Tesla T4",
+               "pci_bus_id": "00000000:00:04.0", "memory_total": 16106127360,
+               "memory_used": 1048576, "memory_reserved": 0, "utilization_gpu": 0,
+               "utilization_memory": 0, "temperature_c": 54, "power_usage_mw": 10000,
+               "power_limit_mw": 70000, "compute_capability": [7, 5], "mig_mode": false,
+               "processes": [{"pid": 1, "user": "me", "name": "python", "used_memory": 0}],
+               "mig_devices": [{"mig_index": 0, "uuid": "MIG-...", "name": "...",
+                                "memory_total": 0, "memory_used": 0, "processes": []}]}]}
+
+Process owners and command lines are not NVML readings (gpukit reads them from ``/proc``), and
+the pids of a described machine are not processes of this one, so the fake also offers
+``gpukit_process_info(pid)``, which gpukit consults instead of ``/proc`` when present.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+
+from gpukit.errors import InvalidArgumentError
+
+ENV_VAR = "GPUKIT_FAKE_NVML"
+
+
+@dataclass(frozen=True)
+class _Handle:
+    """What ``nvmlDeviceGetHandleByIndex`` returns: a GPU, or one MIG instance of it."""
+
+    gpu: int
+    mig: int | None = None
+
+
+def _error(name: str) -> pynvml.NVMLError:
+    """The real nvidia-ml-py exception for ``NVML_ERROR_<NAME>``, e.g. ``'NotSupported'``."""
+    cls = getattr(pynvml, f"NVMLError_{name}", None)
+    if cls is None:
+        raise InvalidArgumentError(
+            f"The machine description names NVML error {name!r}, which nvidia-ml-py does not have.",
+            hint="Use a name such as LibraryNotFound, DriverNotLoaded or NotSupported.",
+        )
+    error: pynvml.NVMLError = cls()
+    return error
+
+
+def load_description(path: str | Path) -> dict[str, Any]:
+    """Read a machine description file, or say clearly why it cannot be used."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"{ENV_VAR}={path} does not name a readable machine description ({exc}).",
+            hint=f"Point {ENV_VAR} at a JSON machine description, or unset it for the real GPUs.",
+        ) from exc
+    if not isinstance(data, dict) or not isinstance(data.get("gpus", []), list):
+        raise InvalidArgumentError(
+            f"{ENV_VAR}={path} is not a machine description: it needs a 'gpus' list.",
+            hint="See the format in the gpukit._fake_nvml module docstring.",
+        )
+    return data
+
+
+class FakeNvml:
+    """An object that behaves as the ``pynvml`` module for one described machine.
+
+    >>> nvml = FakeNvml({"driver_version": "550.90.07", "gpus": []})
+    >>> nvml.nvmlInit(); nvml.nvmlDeviceGetCount()
+    0
+    """
+
+    def __init__(self, description: dict[str, Any], source: str = "<memory>") -> None:
+        self.description = description
+        self.source = source
+        self._gpus: list[dict[str, Any]] = list(description.get("gpus", []))
+        self._missing = set(description.get("unsupported_functions", []))
+        self._initialised = 0
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> FakeNvml:
+        """The fake for the machine described in ``path``."""
+        return cls(load_description(path), source=str(path))
+
+    # Constants and exception classes are the real ones, so callers compare against the real
+    # values; a function the fake lacks fails as a function missing from an old driver.
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("nvml") and not name.startswith("nvmlMemory"):
+            return self._not_found(name)
+        return getattr(pynvml, name)
+
+    def _not_found(self, name: str) -> Callable[..., Any]:
+        def missing(*args: object, **kwargs: object) -> Any:
+            raise _error("FunctionNotFound")
+
+        missing.__name__ = name
+        return missing
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _check(self, function: str) -> None:
+        if function in self._missing:
+            raise _error("FunctionNotFound")
+        if not self._initialised:
+            raise _error("Uninitialized")
+
+    def _gpu(self, handle: _Handle) -> dict[str, Any]:
+        return self._gpus[handle.gpu]
+
+    def _entry(self, handle: _Handle) -> dict[str, Any]:
+        gpu = self._gpu(handle)
+        if handle.mig is None:
+            return gpu
+        return dict(gpu.get("mig_devices", [])[handle.mig])
+
+    def _reading(self, handle: _Handle, key: str, function: str) -> Any:
+        self._check(function)
+        value = self._entry(handle).get(key)
+        if value is None:
+            raise _error("NotSupported")
+        return value
+
+    # -- system --------------------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        """``nvmlInit``: fails as the described machine's driver does."""
+        if self.description.get("nvml_error"):
+            raise _error(str(self.description["nvml_error"]))
+        self._initialised += 1
+
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        self.nvmlInit()
+
+    def nvmlShutdown(self) -> None:
+        self._check("nvmlShutdown")
+        self._initialised -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._check("nvmlSystemGetDriverVersion")
+        return str(self.description.get("driver_version", ""))
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._check("nvmlSystemGetCudaDriverVersion")
+        value = self.description.get("cuda_driver_version")
+        if value is None:
+            raise _error("NotSupported")
+        return int(value)
+
+    def nvmlSystemGetProcessName(self, pid: int) -> str:
+        self._check("nvmlSystemGetProcessName")
+        for proc in self._all_processes():
+            if proc["pid"] == pid:
+                return str(proc.get("name", ""))
+        raise _error("NotFound")
+
+    def gpukit_process_info(self, pid: int) -> tuple[str | None, str | None]:
+        """(user, command line) of a described process: not an NVML function, see the module."""
+        for proc in self._all_processes():
+            if proc["pid"] == pid:
+                return proc.get("user"), proc.get("name")
+        return None, None
+
+    def _all_processes(self) -> list[dict[str, Any]]:
+        procs: list[dict[str, Any]] = []
+        for gpu in self._gpus:
+            procs.extend(gpu.get("processes", []))
+            for mig in gpu.get("mig_devices", []):
+                procs.extend(mig.get("processes", []))
+        return procs
+
+    # -- devices -------------------------------------------------------------------------------
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check("nvmlDeviceGetCount")
+        return len(self._gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        self._check("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self._gpus):
+            raise _error("InvalidArgument")
+        return _Handle(index)
+
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:
+        return str(self._reading(handle, "uuid", "nvmlDeviceGetUUID"))
+
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:
+        return str(self._reading(handle, "name", "nvmlDeviceGetName"))
+
+    def nvmlDeviceGetPciInfo(self, handle: _Handle) -> SimpleNamespace:
+        bus_id = self._reading(handle, "pci_bus_id", "nvmlDeviceGetPciInfo")
+        return SimpleNamespace(busId=bus_id, busIdLegacy=bus_id[4:])
+
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
+        self._check("nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo")
+        entry = self._entry(handle)
+        total, used = entry.get("memory_total"), entry.get("memory_used")
+        if total is None or used is None:
+            raise _error("NotSupported")
+        reserved = int(entry.get("memory_reserved") or 0)
+        free = total - used - reserved
+        if version:
+            return SimpleNamespace(
+                version=version, total=total, reserved=reserved, used=used, free=free
+            )
+        # The v1 query counts memory the driver reserves as used.
+        return SimpleNamespace(total=total, free=free, used=used + reserved)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> SimpleNamespace:
+        self._check("nvmlDeviceGetUtilizationRates")
+        entry = self._entry(handle)
+        gpu, mem = entry.get("utilization_gpu"), entry.get("utilization_memory")
+        if gpu is None or mem is None:
+            raise _error("NotSupported")
+        return SimpleNamespace(gpu=gpu, memory=mem)
+
+    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
+        return int(self._reading(handle, "temperature_c", "nvmlDeviceGetTemperature"))
+
+    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
+        return int(self._reading(handle, "power_usage_mw", "nvmlDeviceGetPowerUsage"))
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: _Handle) -> int:
+        return int(self._reading(handle, "power_limit_mw", "nvmlDeviceGetEnforcedPowerLimit"))
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: _Handle) -> tuple[int, int]:
+        major, minor = self._reading(
+            handle, "compute_capability", "nvmlDeviceGetCudaComputeCapability"
+        )
+        return int(major), int(minor)
+
+    def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
+        mode = self._reading(handle, "mig_mode", "nvmlDeviceGetMigMode")
+        return [int(bool(mode)), int(bool(mode))]
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle: _Handle) -> bool:
+        self._check("nvmlDeviceIsMigDeviceHandle")
+        return handle.mig is not None
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:
+        self._check("nvmlDeviceGetMaxMigDeviceCount")
+        if not self._gpu(handle).get("mig_mode"):
+            raise _error("NotSupported")
+        # Like a real GPU, more slots than instances: the empty ones answer NotFound.
+        return len(self._gpu(handle).get("mig_devices", [])) + 1
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _Handle:
+        self._check("nvmlDeviceGetMigDeviceHandleByIndex")
+        if not 0 <= index < len(self._gpu(handle).get("mig_devices", [])):
+            raise _error("NotFound")
+        return _Handle(handle.gpu, index)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[SimpleNamespace]:
+        self._check("nvmlDeviceGetComputeRunningProcesses")
+        entry = self._entry(handle)
+        procs = list(entry.get("processes", []))
+        if handle.mig is None:
+            # On a MIG-mode GPU the parent handle reports the processes of every instance.
+            for mig in entry.get("mig_devices", []):
+                procs.extend(mig.get("processes", []))
+        return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p.get("used_memory")) for p in procs]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: _Handle) -> list[SimpleNamespace]:
+        self._check("nvmlDeviceGetGraphicsRunningProcesses")
+        return []

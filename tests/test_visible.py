@@ -1,0 +1,245 @@
+"""CUDA_VISIBLE_DEVICES parsing, logical-to-physical mapping, and setting it safely."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gpukit as gk
+from gpukit.errors import CudaAlreadyInitializedError, NoDriverError, VisibleDevicesError
+from gpukit.inventory import Inventory, inventory
+from gpukit.visible import cuda_order, parse_visible_devices, resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+UseMachine = Callable[[str], Inventory]
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch, machines_dir: Path) -> UseMachine:
+    """Switch the fake NVML to a named machine and return its inventory."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+
+    def use(name: str) -> Inventory:
+        monkeypatch.setenv("GPUKIT_FAKE_NVML", str(machines_dir / f"{name}.json"))
+        return inventory()
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ("", ()),
+        ("0,1", (0, 1)),
+        (" 2 , 0", (2, 0)),
+        ("1gpu,3", (1, 3)),
+        ("0,-1,2", (0,)),
+        ("0,x,2", (0,)),
+        ("1,1", ()),
+        ("GPU-abc,GPU-def", ("GPU-abc", "GPU-def")),
+        ("GPU-abc,0", ("GPU-abc",)),
+        ("MIG-abc", ("MIG-abc",)),
+    ],
+)
+def test_parse_reads_the_variable_as_cuda_does(
+    value: str | None, expected: tuple[int | str, ...] | None
+) -> None:
+    assert parse_visible_devices(value) == expected
+
+
+@given(st.lists(st.integers(min_value=0, max_value=20), max_size=8))
+def test_parse_of_distinct_indices_keeps_them_in_order(indices: list[int]) -> None:
+    distinct = list(dict.fromkeys(indices))
+    assert parse_visible_devices(",".join(map(str, distinct))) == tuple(distinct)
+
+
+@given(st.lists(st.sampled_from(["0", "1", "2", "3", "-1", "x", "GPU-a", " 4"]), min_size=1))
+def test_parse_result_is_a_prefix_of_the_entries_or_empty(items: list[str]) -> None:
+    parsed = parse_visible_devices(",".join(items))
+    assert parsed is not None
+    assert len(set(parsed)) == len(parsed)
+    assert len(parsed) <= len(items)
+
+
+def test_unset_variable_shows_every_gpu_in_pci_order_when_gpus_are_alike(
+    machine: UseMachine,
+) -> None:
+    inv = machine("kaggle-2xT4-idle")
+    view = gk.visible_devices(inv)
+    assert not view.restricted
+    assert [(d.cuda_index, d.nvml_index) for d in view.devices] == [(0, 0), (1, 1)]
+    assert view.warnings == ()
+
+
+def test_mixed_gpus_warn_that_cuda_order_may_differ_from_nvidia_smi(machine: UseMachine) -> None:
+    view = gk.visible_devices(machine("workstation-mixed-order"))
+    assert any("CUDA_DEVICE_ORDER" in w and "PCI_BUS_ID" in w for w in view.warnings)
+
+
+def test_estimated_fastest_first_order_matches_the_recorded_cuda_order(
+    machine: UseMachine, machines_dir: Path
+) -> None:
+    import json
+
+    recorded = json.loads((machines_dir / "workstation-mixed-order.json").read_text())
+    inv = machine("workstation-mixed-order")
+    assert [g.index for g in cuda_order(inv, "FASTEST_FIRST")] == recorded[
+        "cuda_fastest_first_order"
+    ]
+
+
+def test_pci_bus_id_order_makes_cuda_index_equal_nvml_index(
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = machine("workstation-mixed-order")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert [gk.physical_index(i, inv) for i in (0, 1)] == [0, 1]
+    assert gk.visible_devices(inv).warnings == ()
+
+
+def test_physical_index_follows_fastest_first_when_order_is_unset(
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = machine("workstation-mixed-order")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert gk.physical_index(0, inv) == 1  # CUDA's 0 is the RTX 4090, nvidia-smi's 1
+
+
+def test_visible_list_maps_logical_indices_in_listed_order(
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = machine("server-8xA100-shared")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,2")
+    assert [gk.physical_index(i, inv) for i in (0, 1)] == [4, 2]
+
+
+def test_abbreviated_gpu_uuid_selects_that_gpu(
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = machine("server-8xA100-shared")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a170b338")
+    assert gk.physical_index(0, inv) == 4
+
+
+def test_mig_uuid_maps_to_its_parent_gpu(
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = machine("server-2xH100-mig")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-ae97ba94-d0ed-a82f-8f6d-05584ef8aa38")
+    view = gk.visible_devices(inv)
+    assert view.devices[0].mig_uuid == "MIG-ae97ba94-d0ed-a82f-8f6d-05584ef8aa38"
+    assert gk.physical_index(0, inv) == 0
+
+
+def test_an_index_beyond_the_gpus_cuts_the_list_short_with_a_warning(machine: UseMachine) -> None:
+    view = resolve("1,7,0", "PCI_BUS_ID", machine("kaggle-2xT4-idle"))
+    assert [d.nvml_index for d in view.devices] == [1]
+    assert any("7" in w and "ignores it" in w for w in view.warnings)
+
+
+def test_an_ambiguous_uuid_prefix_cuts_the_list_short(machine: UseMachine) -> None:
+    view = resolve("GPU-", "PCI_BUS_ID", machine("kaggle-2xT4-idle"))
+    assert view.devices == ()
+
+
+def test_empty_variable_means_no_gpu(machine: UseMachine, monkeypatch: pytest.MonkeyPatch) -> None:
+    inv = machine("kaggle-2xT4-idle")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gk.visible_devices(inv).devices == ()
+    with pytest.raises(VisibleDevicesError, match="sees 0 CUDA devices"):
+        gk.physical_index(0, inv)
+
+
+def test_two_entries_naming_one_gpu_hide_every_gpu(machine: UseMachine) -> None:
+    view = resolve("GPU-6513,GPU-6513270e", "PCI_BUS_ID", machine("kaggle-2xT4-idle"))
+    assert view.devices == ()
+    assert any("twice" in w for w in view.warnings)
+
+
+def test_visible_devices_without_a_driver_still_parses(
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(NoDriverError):
+        machine("no-driver")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    view = gk.visible_devices()
+    assert view.entries == (1, 0)
+    assert view.devices is None
+    with pytest.raises(NoDriverError):
+        gk.physical_index(0)
+
+
+def test_set_visible_devices_sets_the_variable_and_pci_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    assert gk.set_visible_devices([2, "3"]) == "2,3"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_set_visible_devices_accepts_gpus_from_the_inventory(
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = machine("kaggle-2xT4-idle")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gk.set_visible_devices([inv.gpus[1]]) == inv.gpus[1].uuid
+
+
+def test_set_visible_devices_with_an_empty_list_hides_every_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gk.set_visible_devices([]) == ""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize("ids", [[0, 0], [0, "GPU-abc"], [-1], ["cuda:0"], [True]])
+def test_set_visible_devices_refuses_what_cuda_would_misread(
+    monkeypatch: pytest.MonkeyPatch, ids: list[object]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    with pytest.raises(VisibleDevicesError):
+        gk.set_visible_devices(ids)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+def test_set_visible_devices_raises_once_cuda_has_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(CudaAlreadyInitializedError, match="already started"):
+        gk.set_visible_devices([1])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_set_visible_devices_to_the_current_value_is_allowed_after_cuda_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert gk.set_visible_devices([1]) == "1"
+
+
+def test_visible_and_inventory_never_import_torch() -> None:
+    code = (
+        "import sys, gpukit.visible, gpukit.inventory, gpukit.errors;"
+        "gpukit.visible.set_visible_devices([0]);"
+        "print('torch' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip() == "False"
