@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.conftest import CliRunner
 
@@ -44,3 +45,21 @@ def test_version_is_printed(run_cli: CliRunner) -> None:
     result = run_cli("--version")
     assert result.returncode == 0
     assert result.stdout.startswith("gpukit ")
+
+
+def test_info_shows_the_drivers_view_beside_torchs(run_cli: CliRunner, machines_dir: Path) -> None:
+    machine = machines_dir / "server-8xA100-shared.json"
+    result = run_cli("info", "--json", env={"GPUKIT_FAKE_NVML": str(machine)})
+    assert result.returncode == 0, result.stderr
+    nvml = json.loads(result.stdout)["nvml"]
+    assert nvml["schema"] == "gpukit.inventory/1"
+    assert len(nvml["gpus"]) == 8
+    assert "fake machine" in result.stderr
+
+
+def test_info_without_a_driver_still_reports_torch(run_cli: CliRunner, machines_dir: Path) -> None:
+    machine = machines_dir / "no-driver.json"
+    result = run_cli("info", env={"GPUKIT_FAKE_NVML": str(machine)})
+    assert result.returncode == 0, result.stderr
+    assert "NVML (the driver's view): not available" in result.stdout
+    assert "torch" in result.stdout

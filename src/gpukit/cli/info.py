@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
 from gpukit.cli._output import console, human_bytes, na, print_json
@@ -14,14 +16,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def collect() -> dict[str, Any]:
-    """The whole report: torch's view of the devices, plus the extra sections that are present."""
+    """The whole report: torch's view of the devices beside the driver's (NVML) view."""
+    from gpukit.errors import NoDriverError, NvmlError
+    from gpukit.inventory import inventory
     from gpukit.sysinfo import system_info
 
-    return system_info()
+    info = system_info()
+    try:
+        info["nvml"] = inventory().to_json()
+    except (NoDriverError, NvmlError) as exc:
+        info["nvml"] = {"available": False, "reason": str(exc)}
+    return info
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the report as tables, or as JSON with ``--json``."""
+    fake = os.environ.get("GPUKIT_FAKE_NVML")
+    if fake:
+        print(
+            f"gpukit info: reading a fake machine from {fake} (GPUKIT_FAKE_NVML).", file=sys.stderr
+        )
     info = collect()
     if args.json:
         print_json(info)
@@ -96,6 +110,24 @@ def _render(info: dict[str, Any]) -> None:
     )
     if cuda["devices"]:
         _render_devices(out, cuda["devices"])
+    _render_nvml(out, info["nvml"])
+
+
+def _render_nvml(out: Any, nvml: dict[str, Any]) -> None:
+    from gpukit.cli.list_gpus import build_table
+    from gpukit.inventory import Inventory
+    from gpukit.visible import visible_devices
+
+    out.print()
+    if nvml.get("available") is False:
+        out.print(f"NVML (the driver's view): not available. {nvml['reason']}")
+        return
+    inv = Inventory.from_json(nvml)
+    out.print(
+        f"NVML (the driver's view, nvidia-smi's numbering): driver {na(inv.driver_version)}, "
+        f"CUDA driver {na(inv.cuda_driver_version)}, {len(inv.gpus)} GPU(s)"
+    )
+    out.print(build_table(inv, visible_devices(inv)))
 
 
 def _render_devices(out: Any, devices: list[dict[str, Any]]) -> None:

@@ -1,0 +1,280 @@
+"""The main job: train a small convolutional network on handwritten digits over every device.
+
+It walks through what gpukit is for, end to end, with the public API only: find the devices
+(``gk.system_info``, ``gk.try_all_gpus``), split each batch over replicas (``gk.DataParallel``,
+over every GPU or over several CPU replicas), move batches (``gk.to_device``), seed everything
+(``gk.seed_everything``), then save the wrapped model (``gk.save``) and load it into a fresh,
+plain model (``gk.load``), whose accuracy must match.
+
+The data are the 1,797 8x8 digit images that scikit-learn ships (the ``demo`` extra), so nothing
+is downloaded. The library reports progress through a callback and never prints; the
+``gpukit demo`` command renders it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpukit.checkpoint import load, save
+from gpukit.devices import DeviceLike, try_all_gpus
+from gpukit.devices import device as parse_device
+from gpukit.errors import InvalidArgumentError
+from gpukit.parallel.data_parallel import DataParallel
+from gpukit.repro import seed_everything
+from gpukit.transfer import to_device
+
+__all__ = ["DemoConfig", "DemoEvent", "DemoResult", "DigitsNet", "default_devices", "run_demo"]
+
+DEFAULT_CPU_REPLICAS = 4
+SHOWCASE_BATCH = 16  # the classic tutorial's batch: 4 per replica on 4 devices
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the demo trains on and how."""
+
+    devices: tuple[str, ...] | None = None  # None: every GPU, else DEFAULT_CPU_REPLICAS CPUs
+    epochs: int = 8
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    checkpoint: str | None = None  # None: a temporary file, removed afterwards
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(
+                    f"{name}={getattr(self, name)} must be at least 1.",
+                    hint=f"Pass --{name.replace('_', '-')} 1 or more.",
+                )
+        if not self.lr > 0:
+            raise InvalidArgumentError(f"lr={self.lr} must be positive.", hint="Try 3e-3.")
+
+
+@dataclass(frozen=True)
+class DemoEvent:
+    """One thing that happened, for the renderer: ``kind`` plus its figures."""
+
+    kind: str  # plan | first_step | step | epoch | saved | reloaded
+    data: dict[str, Any]
+
+
+@dataclass
+class DemoResult:
+    """The demo's outcome, as ``gpukit demo --json`` prints it."""
+
+    devices: list[str]
+    epochs: int
+    batch_size: int
+    seed: int
+    train_samples: int
+    test_samples: int
+    replica_batch_sizes: list[int]
+    gathered_output_shape: list[int]
+    epoch_losses: list[float]
+    epoch_accuracies: list[float]
+    test_accuracy: float
+    reloaded_accuracy: float
+    checkpoint: str | None
+    prefixes_removed: list[str]
+    seconds: float
+    samples_per_second: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict with a schema field."""
+        return {"schema": "gpukit.demo/1", **asdict(self)}
+
+
+# Replicas are copies of the network that run in threads; a module-level recorder is the one
+# thing they all share, so each can report the size of the chunk it received.
+_record_lock = threading.Lock()
+_recorded: list[int] | None = None
+
+
+def _record_batch(size: int) -> None:
+    with _record_lock:
+        if _recorded is not None:
+            _recorded.append(size)
+
+
+class DigitsNet(nn.Module):
+    """A small convolutional network for 8x8 digit images (about 40k parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _record_batch(x.shape[0])
+        out: torch.Tensor = self.head(self.features(x))
+        return out
+
+
+def default_devices() -> list[torch.device]:
+    """Every CUDA device, or four CPU replicas on a machine without one."""
+    gpus = try_all_gpus()
+    if gpus[0].type == "cuda":
+        return gpus
+    return [torch.device("cpu")] * DEFAULT_CPU_REPLICAS
+
+
+def _load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise InvalidArgumentError(
+            "the demo trains on scikit-learn's bundled digits, and scikit-learn is missing.",
+            hint="pip install 'gpukit[demo]'.",
+        ) from exc
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(labels), generator=generator)
+    cut = int(0.8 * len(labels))
+    train, test = order[:cut], order[cut:]
+    return images[train], labels[train], images[test], labels[test]
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    model.eval()
+    device = next(model.parameters()).device
+    predictions = model(to_device(images, device)).argmax(dim=1).cpu()
+    model.train()
+    return float((predictions == labels).float().mean())
+
+
+def _showcase_step(model: DataParallel, images: torch.Tensor) -> tuple[list[int], list[int]]:
+    """One forward on a batch of 16, recording the share each replica received."""
+    global _recorded
+    with _record_lock:
+        _recorded = []
+    try:
+        with torch.no_grad():
+            output = model(images[:SHOWCASE_BATCH])
+    finally:
+        with _record_lock:
+            sizes, _recorded = sorted(_recorded or [], reverse=True), None
+    return sizes, list(output.shape)
+
+
+def run_demo(
+    config: DemoConfig | None = None,
+    on_event: Callable[[DemoEvent], None] | None = None,
+) -> DemoResult:
+    """Train, evaluate, save, reload and re-evaluate; report progress through ``on_event``."""
+    config = config or DemoConfig()
+    emit = on_event or (lambda event: None)
+    devices: Sequence[torch.device] = (
+        [parse_device(d) for d in config.devices] if config.devices else default_devices()
+    )
+    previous = seed_everything(config.seed)
+    try:
+        return _train(config, list(devices), emit)
+    finally:
+        previous.restore()
+
+
+def _train(
+    config: DemoConfig, devices: list[torch.device], emit: Callable[[DemoEvent], None]
+) -> DemoResult:
+    x_train, y_train, x_test, y_test = _load_digits(config.seed)
+    net = DigitsNet().to(devices[0])
+    model = DataParallel(net, device_ids=[str(d) for d in devices])
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    loss_fn = nn.CrossEntropyLoss()
+    steps_per_epoch = -(-len(y_train) // config.batch_size)
+    emit(
+        DemoEvent(
+            "plan",
+            {
+                "devices": [str(d) for d in devices],
+                "train_samples": len(y_train),
+                "test_samples": len(y_test),
+                "epochs": config.epochs,
+                "batch_size": config.batch_size,
+                "steps": steps_per_epoch * config.epochs,
+                "parameters": sum(p.numel() for p in net.parameters()),
+            },
+        )
+    )
+    sizes, shape = _showcase_step(model, x_train)
+    emit(DemoEvent("first_step", {"replica_batch_sizes": sizes, "output_shape": shape}))
+
+    generator = torch.Generator().manual_seed(config.seed)
+    start = time.perf_counter()
+    losses: list[float] = []
+    accuracies: list[float] = []
+    for epoch in range(config.epochs):
+        order = torch.randperm(len(y_train), generator=generator)
+        total = 0.0
+        for step in range(steps_per_epoch):
+            idx = order[step * config.batch_size : (step + 1) * config.batch_size]
+            inputs, targets = to_device((x_train[idx], y_train[idx]), devices[0])
+            loss = loss_fn(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss) * len(idx)
+            elapsed = time.perf_counter() - start
+            done = epoch * len(y_train) + min((step + 1) * config.batch_size, len(y_train))
+            emit(DemoEvent("step", {"loss": float(loss), "samples_per_second": done / elapsed}))
+        losses.append(total / len(y_train))
+        accuracies.append(_accuracy(model.module, x_test, y_test))
+        emit(DemoEvent("epoch", {"epoch": epoch + 1, "loss": losses[-1], "acc": accuracies[-1]}))
+    seconds = time.perf_counter() - start
+    accuracy = accuracies[-1]
+    reloaded, prefixes, path = _save_and_reload(model, config, emit)
+    reloaded_accuracy = _accuracy(reloaded, x_test, y_test)
+    emit(DemoEvent("reloaded", {"acc": reloaded_accuracy, "matches": reloaded_accuracy == accuracy}))
+    return DemoResult(
+        devices=[str(d) for d in devices],
+        epochs=config.epochs,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        train_samples=len(y_train),
+        test_samples=len(y_test),
+        replica_batch_sizes=sizes,
+        gathered_output_shape=shape,
+        epoch_losses=losses,
+        epoch_accuracies=accuracies,
+        test_accuracy=accuracy,
+        reloaded_accuracy=reloaded_accuracy,
+        checkpoint=path,
+        prefixes_removed=prefixes,
+        seconds=seconds,
+        samples_per_second=config.epochs * len(y_train) / seconds,
+    )
+
+
+def _save_and_reload(
+    model: DataParallel, config: DemoConfig, emit: Callable[[DemoEvent], None]
+) -> tuple[nn.Module, list[str], str | None]:
+    with tempfile.TemporaryDirectory(prefix="gpukit-demo-") as tmp:
+        path = Path(config.checkpoint) if config.checkpoint else Path(tmp) / "digits.safetensors"
+        save(model, path)  # the wrapper is unwrapped: keys come out clean
+        emit(DemoEvent("saved", {"path": str(path), "bytes": path.stat().st_size}))
+        fresh = DigitsNet()  # a plain model on the CPU, as on a machine without GPUs
+        report = load(fresh, path)
+    kept = str(path) if config.checkpoint else None
+    return fresh, list(report.prefixes_removed), kept
