@@ -76,9 +76,7 @@ class DataParallel(nn.Module):
             )
         self.module = module
         self.device_ids: list[torch.device] = devices
-        self.output_device = (
-            devices[0] if output_device is None else _parse_device(output_device)
-        )
+        self.output_device = devices[0] if output_device is None else _parse_device(output_device)
         self.dim = dim
         self.min_chunk = min_chunk
         home = module_device(module)

@@ -3,7 +3,9 @@
 A replica is a shallow structural copy of every submodule (``Module._replicate_for_data_parallel``,
 which modules such as RNNs override) whose parameters are *differentiable copies* of the
 original ones: ``p.to(device)``, or ``p`` itself on the same device. Gradients of a loss
-computed from any replica therefore land in the original parameters' ``.grad``.
+computed from any replica therefore land in the original parameters' ``.grad``. Buffers are
+always copied, so that in-place updates in forward (BatchNorm's running statistics) stay on
+the replica instead of racing on the original.
 
 The structure is built once per (module, devices, thread) and kept; each call only refreshes
 parameters and buffers. It is rebuilt when the module's tree changes (a submodule added,
@@ -107,7 +109,7 @@ class _ReplicaSet:
                     # setattr, not the dict: RNNs keep their flat weight list in step with it.
                     setattr(replica, key, None if param is None else _copy(param, dev, memo))
                 for key, buf in module._buffers.items():
-                    replica._buffers[key] = None if buf is None else _copy(buf, dev, memo)
+                    replica._buffers[key] = None if buf is None else _copy_buffer(buf, dev, memo)
         return [copies[0] for copies in self.replicas[: len(devices)]]
 
 
@@ -122,13 +124,22 @@ def _copy(tensor: torch.Tensor, dev: torch.device, memo: dict[int, torch.Tensor]
     return found
 
 
+def _copy_buffer(
+    buffer: torch.Tensor, dev: torch.device, memo: dict[int, torch.Tensor]
+) -> torch.Tensor:
+    # Always a copy, even on the original's device: forward updates buffers in place (BatchNorm's
+    # running statistics), and replicas sharing the original's buffers would race on them.
+    found = memo.get(id(buffer))
+    if found is None:
+        found = memo[id(buffer)] = buffer.to(dev) if buffer.device != dev else buffer.clone()
+    return found
+
+
 _LOCAL = threading.local()
 
 
 def _cache() -> weakref.WeakKeyDictionary[nn.Module, _ReplicaSet]:
-    cache: weakref.WeakKeyDictionary[nn.Module, _ReplicaSet] | None = getattr(
-        _LOCAL, "cache", None
-    )
+    cache: weakref.WeakKeyDictionary[nn.Module, _ReplicaSet] | None = getattr(_LOCAL, "cache", None)
     if cache is None:
         cache = _LOCAL.cache = weakref.WeakKeyDictionary()
     return cache
