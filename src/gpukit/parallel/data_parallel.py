@@ -13,10 +13,10 @@ from gpukit.devices import DeviceLike, module_device, try_all_gpus
 from gpukit.devices import device as _parse_device
 from gpukit.errors import DeviceError, InvalidArgumentError
 from gpukit.parallel.apply import parallel_apply
-from gpukit.parallel.gather import gather
+from gpukit.parallel.gather import gather_on
 from gpukit.parallel.replicate import replica_set
 from gpukit.parallel.scatter import scatter
-from gpukit.transfer import to_device
+from gpukit.transfer import _Mover
 
 __all__ = ["DataParallel"]
 
@@ -89,6 +89,8 @@ class DataParallel(nn.Module):
             )
 
     def _check_placement(self) -> None:
+        # Only the first tensor is looked at, to keep this off the step time: module.to()
+        # moves all of them, and the constructor checked that they agree.
         home = self.device_ids[0]
         for tensor in chain(self.module.parameters(), self.module.buffers()):
             if tensor.device != home:
@@ -98,18 +100,21 @@ class DataParallel(nn.Module):
                     hint=f'Move the module back with .to("{home}") before calling it; '
                     "gk.placement(model.module) shows where each tensor is.",
                 )
+            return
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter ``inputs`` and ``kwargs``, run the replicas, and gather their outputs."""
         self._check_placement()
         first = self.device_ids[0]
         if len(self.device_ids) == 1:
-            args, kw = to_device((inputs, kwargs), first)
-            return gather([self.module(*args, **kw)], self.output_device, self.dim)
+            args, kw = _Mover(first, "auto", False, frozenset(), frozenset()).walk(
+                (inputs, kwargs), None
+            )
+            return gather_on([self.module(*args, **kw)], self.output_device, self.dim)
         chunks = scatter((inputs, kwargs), self.device_ids, self.dim, min_chunk=self.min_chunk)
         if len(chunks) == 1:
             args, kw = chunks[0]
-            return gather([self.module(*args, **kw)], self.output_device, self.dim)
+            return gather_on([self.module(*args, **kw)], self.output_device, self.dim)
         replicas = replica_set(self.module, self.device_ids[1:])
         try:
             modules = [self.module, *replicas.refresh(self.module, len(chunks) - 1)]
@@ -122,7 +127,7 @@ class DataParallel(nn.Module):
         finally:
             # Whatever happened, the replicas keep no tensors (and so no graph) past this call.
             replicas.release(len(chunks) - 1)
-        return gather(outputs, self.output_device, self.dim)
+        return gather_on(outputs, self.output_device, self.dim)
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.device_ids)

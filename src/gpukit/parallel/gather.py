@@ -38,7 +38,12 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         raise InvalidArgumentError(
             "gather was given no outputs.", hint="Pass one output per replica that ran."
         )
-    return _Gatherer(_parse_device(target_device), dim).gather(list(outputs), ())
+    return gather_on(outputs, _parse_device(target_device), dim)
+
+
+def gather_on(outputs: Sequence[Any], target: torch.device, dim: int = 0) -> Any:
+    """``gather`` to an already parsed device, for callers that gather every step."""
+    return _Gatherer(target, dim).gather(list(outputs), ())
 
 
 class _Gatherer:
