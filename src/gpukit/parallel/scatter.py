@@ -1,0 +1,126 @@
+"""Split a batch across devices: ``gk.parallel.scatter``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from gpukit.devices import DeviceLike
+from gpukit.devices import device as _parse_device
+from gpukit.errors import InvalidArgumentError, ScatterError
+from gpukit.parallel._nested import format_path, map_tensors, tensors_with_paths
+from gpukit.transfer import KeyPath, _Mover
+
+T = TypeVar("T")
+
+__all__ = ["chunk_sizes", "scatter"]
+
+
+def chunk_sizes(total: int, replicas: int, *, min_chunk: int = 1) -> list[int]:
+    """How ``scatter`` splits ``total`` samples over at most ``replicas`` devices.
+
+    As even as possible (sizes differ by at most one, larger first), never an empty chunk, and
+    no chunk under ``min_chunk`` unless the whole batch is smaller than that.
+
+    >>> chunk_sizes(9, 4)
+    [3, 2, 2, 2]
+    >>> chunk_sizes(3, 4)
+    [1, 1, 1]
+    >>> chunk_sizes(9, 4, min_chunk=4)
+    [5, 4]
+    """
+    if replicas < 1:
+        raise InvalidArgumentError(
+            f"chunk_sizes was asked for {replicas} replicas.", hint="Pass at least one device."
+        )
+    if min_chunk < 1:
+        raise InvalidArgumentError(
+            f"min_chunk={min_chunk} is below 1.", hint="Use min_chunk=1 (the default) or more."
+        )
+    count = max(1, min(replicas, total // min_chunk))
+    base, extra = divmod(total, count)
+    return [base + 1 if i < extra else base for i in range(count)]
+
+
+def _batch_size(inputs: Any, dim: int) -> int | None:
+    """The one size every tensor in ``inputs`` has along ``dim``, or None without tensors."""
+    found = tensors_with_paths(inputs)
+    if not found:
+        return None
+    sizes: dict[int, list[KeyPath]] = {}
+    for path, tensor in found:
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ScatterError(
+                f"scatter was asked to split along dim {dim}, but {format_path(path)} has "
+                f"shape {tuple(tensor.shape)} and so no dim {dim}.",
+                hint="Give every tensor in the batch that dimension, or pass values that are "
+                "the same for every replica as Python numbers.",
+            )
+        sizes.setdefault(tensor.size(dim), []).append(path)
+    if len(sizes) > 1:
+        parts = []
+        for size, paths in sizes.items():
+            shown = ", ".join(format_path(p) for p in paths[:3])
+            more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+            parts.append(f"{size} ({shown}{more})")
+        raise ScatterError(
+            f"scatter was asked to split a batch along dim {dim}, but its tensors disagree in "
+            f"size there: {'; '.join(parts)}.",
+            hint="Every tensor in a batch must hold the same number of samples along the "
+            "split dim; pass per-batch constants as Python values instead.",
+        )
+    return next(iter(sizes))
+
+
+def scatter(
+    inputs: T, devices: Sequence[DeviceLike], dim: int = 0, *, min_chunk: int = 1
+) -> list[T]:
+    """Split every tensor in ``inputs`` along ``dim`` into one chunk per device, and move it there.
+
+    ``inputs`` is any nesting that ``gk.to_device`` accepts (for a call, pass ``(args, kwargs)``).
+    Each element of the result has the structure of ``inputs``, with that device's chunks in
+    place of the tensors; every other value (numbers, strings, modules...) is passed to every
+    replica unchanged. Chunks are as even as possible and never empty: with fewer samples than
+    devices, the result is shorter than ``devices`` and fewer replicas run. ``min_chunk`` keeps
+    chunks at least that large (BatchNorm cannot train on one sample). Without any tensor there
+    is nothing to split and one copy, for the first device, is returned.
+
+    Raises :class:`~gpukit.errors.ScatterError` naming the paths and sizes when the tensors
+    disagree in size along ``dim``.
+
+    >>> import torch
+    >>> parts = scatter(({"x": torch.zeros(9, 2)}, 0.5), ["cpu"] * 4)
+    >>> [p[0]["x"].shape[0] for p in parts], parts[1][1]
+    ([3, 2, 2, 2], 0.5)
+    """
+    if len(devices) == 0:
+        raise InvalidArgumentError(
+            "scatter was given no devices.", hint='Pass at least one, for example ["cpu"].'
+        )
+    targets = [_parse_device(d) for d in devices]
+    total = _batch_size(inputs, dim)
+    if total is None:
+        return [inputs]
+    sizes = chunk_sizes(total, len(targets), min_chunk=min_chunk)
+    movers = [_Mover(t, "auto", False, frozenset(), frozenset()) for t in targets[: len(sizes)]]
+    if len(sizes) == 1:
+        return [map_tensors(inputs, lambda t, _: movers[0].tensor(t))]
+    out: list[T] = []
+    # Split each tensor once, on first use, rather than once per device.
+    splits: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def chunk_for(index: int) -> Any:
+        def leaf(t: torch.Tensor, _: KeyPath | None) -> torch.Tensor:
+            parts = splits.get(id(t))
+            if parts is None:
+                parts = splits[id(t)] = torch.split(t, sizes, dim)
+            return movers[index].tensor(parts[index])
+
+        return leaf
+
+    # ``inputs`` keeps every tensor alive for the whole call, so ids are stable keys here.
+    for index in range(len(sizes)):
+        out.append(map_tensors(inputs, chunk_for(index)))
+    return out

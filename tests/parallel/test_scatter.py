@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpukit.errors import InvalidArgumentError, ScatterError
+from gpukit.parallel import chunk_sizes, scatter
+from gpukit.parallel._nested import tensors_with_paths
+
+from ._structures import Frozen, Pair, batches, same_structure
+
+CPU4 = ["cpu"] * 4
+
+
+def test_scatter_splits_an_uneven_batch_as_evenly_as_possible() -> None:
+    parts = scatter(torch.arange(9), CPU4)
+    assert [len(p) for p in parts] == [3, 2, 2, 2]
+    assert torch.equal(torch.cat(parts), torch.arange(9))
+
+
+def test_scatter_never_gives_a_replica_an_empty_chunk() -> None:
+    parts = scatter(torch.arange(3), CPU4)
+    assert [len(p) for p in parts] == [1, 1, 1]
+
+
+def test_scatter_min_chunk_runs_fewer_replicas_rather_than_tiny_chunks() -> None:
+    parts = scatter(torch.arange(9), CPU4, min_chunk=4)
+    assert [len(p) for p in parts] == [5, 4]
+
+
+def test_scatter_splits_along_the_requested_dim() -> None:
+    parts = scatter(torch.zeros(2, 8), ["cpu"] * 2, dim=1)
+    assert [tuple(p.shape) for p in parts] == [(2, 4), (2, 4)]
+
+
+def test_scatter_passes_non_tensors_to_every_replica_unchanged() -> None:
+    config = {"mode": "train"}
+    parts = scatter((torch.zeros(4), config, 0.5), CPU4)
+    assert all(p[1] is config and p[2] == 0.5 for p in parts)
+
+
+def test_scatter_passes_modules_through_without_moving_them() -> None:
+    head = torch.nn.Linear(1, 1)
+    parts = scatter((torch.zeros(2), head), ["cpu"] * 2)
+    assert all(p[1] is head for p in parts)
+
+
+def test_scatter_keeps_every_container_type() -> None:
+    counts: defaultdict[str, list[int]] = defaultdict(list)
+    batch = (
+        OrderedDict(x=torch.zeros(4)),
+        counts,
+        Pair(torch.zeros(4), 1),
+        Frozen(torch.zeros(4), "t"),
+    )
+    first = scatter(batch, ["cpu"] * 2)[0]
+    assert [type(part) for part in first] == [OrderedDict, defaultdict, Pair, Frozen]
+    assert first[3].value.shape == (2,)
+
+
+def test_scatter_names_paths_and_sizes_when_tensors_disagree() -> None:
+    batch = ((torch.zeros(8, 3),), {"mask": torch.zeros(6)})
+    with pytest.raises(ScatterError) as info:
+        scatter(batch, CPU4)
+    assert "8 (inputs[0][0])" in str(info.value)
+    assert "6 (inputs[1]['mask'])" in str(info.value)
+
+
+def test_scatter_rejects_a_tensor_without_the_split_dim() -> None:
+    with pytest.raises(ScatterError, match=r"inputs\['t'\] has shape \(\)"):
+        scatter({"x": torch.zeros(4), "t": torch.tensor(1.0)}, CPU4)
+
+
+def test_scatter_without_tensors_gives_one_copy_for_the_first_device() -> None:
+    batch = {"n": 3}
+    assert scatter(batch, CPU4) == [batch]
+
+
+def test_scatter_rejects_an_empty_device_list() -> None:
+    with pytest.raises(InvalidArgumentError, match="no devices"):
+        scatter(torch.zeros(2), [])
+
+
+@given(total=st.integers(0, 200), replicas=st.integers(1, 9), min_chunk=st.integers(1, 8))
+def test_chunk_sizes_are_even_complete_and_within_the_device_count(
+    total: int, replicas: int, min_chunk: int
+) -> None:
+    sizes = chunk_sizes(total, replicas, min_chunk=min_chunk)
+    assert sum(sizes) == total
+    assert 1 <= len(sizes) <= replicas
+    assert max(sizes) - min(sizes) <= 1
+    if total >= min_chunk:
+        assert min(sizes) >= min_chunk
+    if total >= replicas * min_chunk:
+        assert len(sizes) == replicas
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 11), devices=st.integers(1, 5), data=st.data())
+def test_scatter_chunks_concatenate_back_to_every_tensor(
+    size: int, devices: int, data: st.DataObject
+) -> None:
+    batch = data.draw(batches(size))
+    parts = scatter(batch, ["cpu"] * devices)
+    originals = tensors_with_paths(batch)
+    chunked = [tensors_with_paths(part) for part in parts]
+    for position, (path, tensor) in enumerate(originals):
+        assert all(c[position][0] == path for c in chunked)
+        assert torch.equal(torch.cat([c[position][1] for c in chunked]), tensor)
+
+
+@settings(max_examples=25, deadline=None)
+@given(size=st.integers(1, 11), data=st.data())
+def test_scatter_to_one_device_gives_back_the_same_batch(size: int, data: st.DataObject) -> None:
+    batch = data.draw(batches(size))
+    (only,) = scatter(batch, ["cpu"])
+    assert same_structure(only, batch)
