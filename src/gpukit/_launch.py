@@ -8,9 +8,15 @@ worker fails the agent stops the others, and the failure comes back as a
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import tempfile
+import time
+import traceback
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from gpukit.errors import InvalidArgumentError, WorkerFailedError
@@ -28,35 +34,80 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def _worker(fn: Callable[..., R], backend: str | None, args: tuple[Any, ...]) -> R:
-    """What each launched process runs: join the group, call ``fn``, leave the group."""
+# Error messages that mean "a peer went away", not "this rank went wrong": when one rank dies,
+# the others fail in their next collective, and those failures must not hide the first one.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "communicator was aborted", "remote process exited")
+
+
+def _worker(
+    fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], reports: str
+) -> R:
+    """What each launched process runs: join the group, call ``fn``, leave the group.
+
+    It notes in ``reports`` that it started, and when and how it failed, with a precise time:
+    the agent reports only the first process it saw exit, which is not always the one that
+    failed first.
+    """
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from gpukit import distributed
 
-    @record  # writes the exception to the agent's error file, so the parent can name it
+    folder = Path(reports)
+    rank = os.environ.get("RANK", "0")
+    (folder / f"{rank}.start").touch()
+
+    @record  # also writes the exception to the agent's error file, as torchrun does
     def run() -> R:
-        distributed.init(backend=backend)
         try:
-            return fn(*args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            distributed.init(backend=backend)
+            try:
+                return fn(*args)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        except BaseException as exc:
+            note = {"time": time.time(), "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()}
+            (folder / f"{rank}.error").write_text(json.dumps(note))
+            raise
 
     result = cast(R, run())  # record re-raises, so a value always comes back here
+    (folder / f"{rank}.done").touch()
     return result
 
 
-def _describe(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):  # the error file's structured form
-        message = message.get("message", "")
-    if failure.exitcode < 0 and not isinstance(failure.error_file_data.get("message"), dict):
+def _agent_view(failure: Any) -> str:
+    if failure.exitcode < 0:
         return f"was killed by {failure.signal_name()} (pid {failure.pid})"
-    if not message or message.startswith("To enable traceback"):
-        return f"exited with code {failure.exitcode} (pid {failure.pid}) without a Python error"
-    return f"raised {message}"
+    return f"exited with code {failure.exitcode} (pid {failure.pid}) without a Python error"
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _failures(failed: dict[int, Any], reports: Path) -> list[tuple[int, str, str | None]]:
+    """Every failed rank, what happened to it and its traceback; the likely first cause first."""
+    found: dict[int, tuple[float, float, str, str | None]] = {}
+    for path in reports.glob("*.error"):
+        note = json.loads(path.read_text())
+        lost = any(s in note["error"].lower() for s in _PEER_LOST)
+        found[int(path.stem)] = (
+            1.0 if lost else 0.0, note["time"], f"raised {note['error']}", note["traceback"])
+    for rank, failure in failed.items():
+        if rank not in found:  # no Python error: a signal or a hard exit, seen first by the agent
+            found[rank] = (0.0, 0.0, _agent_view(failure), None)
+    if any(entry[0] == 1.0 for entry in found.values()):
+        # Another rank lost its peer: a rank that vanished without a word is the likely cause.
+        for path in reports.glob("*.start"):
+            rank = int(path.stem)
+            if rank not in found and not (reports / f"{rank}.done").exists():
+                found[rank] = (0.5, 0.0, "died without a Python error (a signal?)", None)
+    ordered = sorted(found.items(), key=lambda item: (item[1][0], item[1][1], item[0]))
+    return [(rank, _short(text), trace) for rank, (_, _, text, trace) in ordered]
 
 
 def launch(
@@ -97,32 +148,18 @@ def launch(
         monitor_interval=0.1,
         start_method=start_method,
     )
-    try:
-        results = elastic_launch(config, _worker)(fn, backend, args)
-    except ChildFailedError as exc:
-        failures = sorted(exc.failures.items())
-        lines = [f"rank {rank} {_describe(failure)}" for rank, failure in failures]
-        first_rank, first = exc.get_first_failure()
-        cause = _cause(first)
-        where = (
-            "its traceback is this error's __cause__"
-            if cause is not None
-            else "a signal usually means the system killed it (out of memory?) or a native crash"
-        )
-        raise WorkerFailedError(
-            f"launch() of {getattr(fn, '__name__', fn)!r} on {nprocs} processes failed: "
-            + "; ".join(lines)
-            + ".",
-            hint=f"Look at rank {first_rank} first ({where}); when one rank fails, the others "
-            "are stopped.",
-        ) from cause
+    with tempfile.TemporaryDirectory(prefix="gpukit-launch-") as reports:
+        try:
+            results = elastic_launch(config, _worker)(fn, backend, args, reports)
+        except ChildFailedError as exc:
+            failures = _failures(exc.failures, Path(reports))
+            first_rank, first_text, trace = failures[0]
+            then = "; then ".join(f"rank {r} {text}" for r, text, _ in failures[1:])
+            raise WorkerFailedError(
+                f"launch() of {getattr(fn, '__name__', fn)!r} on {nprocs} processes failed: "
+                f"rank {first_rank} {first_text}" + (f"; then {then}" if then else "") + ".",
+                hint=f"Fix rank {first_rank} first: when one rank fails the launcher stops the "
+                "others, and their errors follow from it"
+                + (" (its traceback is this error's __cause__)." if trace else "."),
+            ) from (RuntimeError(f"rank {first_rank}'s traceback:\n{trace}") if trace else None)
     return [results[rank] for rank in sorted(results)]
-
-
-def _cause(failure: Any) -> BaseException | None:
-    data = failure.error_file_data.get("message")
-    if isinstance(data, dict):
-        trace = data.get("extraInfo", {}).get("py_callstack")
-        if trace:
-            return RuntimeError(f"traceback of the failed worker:\n{trace}")
-    return None

@@ -1,4 +1,4 @@
-"""Train and evaluate in 1 process, then with gk.distributed.launch in 2; print the results as JSON."""
+"""Train and evaluate in 1 process, then in 2 with gk.distributed.launch; print JSON results."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ EVAL_BATCH = 3
 def _data() -> TensorDataset:
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(SAMPLES, 4, generator=gen)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(SAMPLES, 1, generator=gen)
+    noise = 0.1 * torch.randn(SAMPLES, 1, generator=gen)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + noise
     return TensorDataset(x, y)
 
 
