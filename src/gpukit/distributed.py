@@ -42,6 +42,7 @@ from gpukit.transfer import to_device
 
 T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
+Opt = TypeVar("Opt", bound=Optimizer)
 
 __all__ = [
     "DistributedContext",
@@ -321,16 +322,16 @@ def _prepare_optimizer(optimizer: Optimizer, ctx: DistributedContext) -> Optimiz
 def prepare(model: M) -> M | DistributedDataParallel: ...
 @overload
 def prepare(
-    model: M, optimizer: Optimizer, loader: None = ..., *,
+    model: M, optimizer: Opt, loader: None = ..., *,
     per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
-) -> tuple[M | DistributedDataParallel, Optimizer]: ...
+) -> tuple[M | DistributedDataParallel, Opt]: ...
 @overload
 def prepare(
-    model: M, optimizer: Optimizer, loader: DataLoader[Any], *,
+    model: M, optimizer: Opt, loader: DataLoader[Any], *,
     per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
-) -> tuple[M | DistributedDataParallel, Optimizer, DistributedLoader]: ...
+) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
 @overload
 def prepare(
     model: M, optimizer: None = ..., *, loader: DataLoader[Any],
