@@ -1,0 +1,165 @@
+"""Run a function in several processes from Python, through torch.distributed.elastic.
+
+This is torchrun's own machinery (``elastic_launch``: an agent, a c10d rendezvous, worker
+processes it watches), called in-process so that notebooks and tests can use it. When one
+worker fails the agent stops the others, and the failure comes back as a
+:class:`~gpukit.errors.WorkerFailedError` naming the rank and what went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+from gpukit.errors import InvalidArgumentError, WorkerFailedError
+
+R = TypeVar("R")
+
+__all__ = ["free_port", "launch"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# Error messages that mean "a peer went away", not "this rank went wrong": when one rank dies,
+# the others fail in their next collective, and those failures must not hide the first one.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "communicator was aborted", "remote process exited")
+
+
+def _worker(
+    fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], reports: str
+) -> R:
+    """What each launched process runs: join the group, call ``fn``, leave the group.
+
+    It notes in ``reports`` that it started, and when and how it failed, with a precise time:
+    the agent reports only the first process it saw exit, which is not always the one that
+    failed first.
+    """
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from gpukit import distributed
+
+    folder = Path(reports)
+    rank = os.environ.get("RANK", "0")
+    (folder / f"{rank}.start").touch()
+
+    @record  # also writes the exception to the agent's error file, as torchrun does
+    def run() -> R:
+        try:
+            distributed.init(backend=backend)
+            try:
+                return fn(*args)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        except BaseException as exc:
+            note = {"time": time.time(), "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc()}
+            (folder / f"{rank}.error").write_text(json.dumps(note))
+            raise
+
+    result = cast(R, run())  # record re-raises, so a value always comes back here
+    (folder / f"{rank}.done").touch()
+    return result
+
+
+def _agent_view(failure: Any) -> str:
+    if failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()} (pid {failure.pid})"
+    return f"exited with code {failure.exitcode} (pid {failure.pid}) without a Python error"
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _failures(failed: dict[int, Any], reports: Path) -> list[tuple[int, str, str | None]]:
+    """Every failed rank, what happened to it and its traceback; the likely first cause first."""
+    found: dict[int, tuple[float, float, str, str | None]] = {}
+    for path in reports.glob("*.error"):
+        note = json.loads(path.read_text())
+        lost = any(s in note["error"].lower() for s in _PEER_LOST)
+        found[int(path.stem)] = (
+            1.0 if lost else 0.0, note["time"], f"raised {note['error']}", note["traceback"])
+    for rank, failure in failed.items():
+        if rank not in found:  # no Python error: a signal or a hard exit, seen first by the agent
+            found[rank] = (0.0, 0.0, _agent_view(failure), None)
+    if any(entry[0] == 1.0 for entry in found.values()):
+        # Another rank lost its peer: a rank that vanished without a word is the likely cause.
+        for path in reports.glob("*.start"):
+            rank = int(path.stem)
+            if rank not in found and not (reports / f"{rank}.done").exists():
+                found[rank] = (0.5, 0.0, "died without a Python error (a signal?)", None)
+    ordered = sorted(found.items(), key=lambda item: (item[1][0], item[1][1], item[0]))
+    return [(rank, _short(text), trace) for rank, (_, _, text, trace) in ordered]
+
+
+def launch(
+    fn: Callable[..., R],
+    nprocs: int,
+    *args: Any,
+    backend: str | None = None,
+    start_method: str = "spawn",
+    host: str = "127.0.0.1",
+) -> list[R]:
+    """Run ``fn(*args)`` in ``nprocs`` processes with the process group set up; results by rank.
+
+    Each process starts with ``gk.distributed.init()`` already done, so ``fn`` may call
+    ``rank()``, ``barrier()`` or ``prepare()`` at once. ``fn`` and ``args`` travel to the workers
+    by pickle: with the default ``start_method="spawn"`` define ``fn`` in an importable module
+    (not a notebook cell; ``start_method="fork"`` works there on Linux, before CUDA starts).
+
+    Raises :class:`~gpukit.errors.WorkerFailedError` naming each failed rank and its error.
+
+    >>> # results = gk.distributed.launch(train, 2, config)   # [rank 0's result, rank 1's]
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise InvalidArgumentError(
+            f"launch() was asked for nprocs={nprocs!r} processes.",
+            hint="Pass a positive number of processes, e.g. launch(fn, 2).",
+        )
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"gpukit-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{host}:{free_port(host)}",
+        max_restarts=0,  # a failure is reported, never silently retried
+        monitor_interval=0.1,
+        start_method=start_method,
+    )
+    with tempfile.TemporaryDirectory(prefix="gpukit-launch-") as reports:
+        try:
+            results = elastic_launch(config, _worker)(fn, backend, args, reports)
+        except ChildFailedError as exc:
+            failures = _failures(exc.failures, Path(reports))
+            first_rank, first_text, trace = failures[0]
+            then = "; then ".join(f"rank {r} {text}" for r, text, _ in failures[1:])
+            raise WorkerFailedError(
+                f"launch() of {getattr(fn, '__name__', fn)!r} on {nprocs} processes failed: "
+                f"rank {first_rank} {first_text}" + (f"; then {then}" if then else "") + ".",
+                hint=f"Fix rank {first_rank} first: when one rank fails the launcher stops the "
+                "others, and their errors follow from it"
+                + (" (its traceback is this error's __cause__)." if trace else "."),
+            ) from (RuntimeError(f"rank {first_rank}'s traceback:\n{trace}") if trace else None)
+    return [results[rank] for rank in sorted(results)]

@@ -1,0 +1,66 @@
+"""DDP training throughput with 1 vs 2 processes (gloo on CPU, NCCL where each process has a GPU).
+
+Both runs go through ``gk.distributed.launch`` and train the same small MLP on the same per-process
+batch, so the ratio shows what a second process buys once gradients are averaged over the wire.
+On a CPU machine the two processes share its cores: a ratio near 1 (or below) means the machine,
+not DDP, is the limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpukit import distributed as dist
+from gpukit.bench.core import BenchResult, machine_description
+
+SUITE = "ddp"
+
+
+def _train(steps: int, batch: int, width: int) -> float:
+    """Samples per second over all processes, timed after a warm-up step, on every rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    samples = (steps + 1) * batch * dist.world_size()
+    data = TensorDataset(torch.randn(samples, 64), torch.randint(0, 10, (samples,)))
+    loader = DataLoader(data, batch_size=batch, shuffle=False)
+    net, opt, batches = dist.prepare(model, opt, loader, per_device_batch_size=batch)
+    start = 0.0
+    for step, (x, y) in enumerate(batches):
+        if step == 1:  # the first step builds DDP's buckets: leave it out
+            dist.barrier()
+            start = time.perf_counter()
+        loss = nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    return steps * batch * dist.world_size() / elapsed
+
+
+def run(quick: bool = False) -> list[BenchResult]:
+    """Throughput (samples/s) of 2 DDP processes against 1, in the same run."""
+    steps, batch, width = (5, 64, 128) if quick else (40, 128, 512)
+    one = dist.launch(_train, 1, steps, batch, width)[0]
+    two = dist.launch(_train, 2, steps, batch, width)[0]
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    return [
+        BenchResult(
+            suite=SUITE,
+            name=f"ddp 2 processes ({backend})",
+            value=two,
+            unit="samples/s",
+            baseline_name="1 process",
+            baseline_value=one,
+            note=f"MLP 64-{width}-10, {batch} samples per process per step, {steps} steps; "
+            "ratio above 1 is a speed-up",
+            extra={"machine": machine_description()},
+        )
+    ]

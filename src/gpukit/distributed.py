@@ -1,0 +1,381 @@
+"""One process per device, on one machine or many: ``gk.distributed``, on torch.distributed.
+
+The same script runs with ``python train.py`` (one process, nothing to set up) and with
+``torchrun --nproc-per-node=N train.py`` (N processes joined in a process group)::
+
+    import gpukit as gk
+    from gpukit import distributed as dist
+
+    dist.init()
+    model, opt, loader = dist.prepare(model, opt, loader, per_device_batch_size=32)
+    for epoch in range(3):
+        for x, y in loader:          # this process's shard, already on its device
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()   # DDP averages the gradients
+        dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss):.3f}")
+
+Process groups, rendezvous and launching are torch.distributed's and torchrun's; this module
+only reads their environment, picks the backend and device, and wires the model and data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from gpukit._dist_data import DistributedLoader, active_loader, per_device_size
+from gpukit._dist_env import LaunchEnv, read_env
+from gpukit._launch import free_port, launch
+from gpukit.devices import device as _auto_device
+from gpukit.errors import DistributedError
+from gpukit.transfer import to_device
+
+T = TypeVar("T")
+M = TypeVar("M", bound=nn.Module)
+Opt = TypeVar("Opt", bound=Optimizer)
+
+__all__ = [
+    "DistributedContext",
+    "DistributedLoader",
+    "all_reduce_mean",
+    "barrier",
+    "free_port",
+    "gather_for_metrics",
+    "get_logger",
+    "init",
+    "is_main",
+    "launch",
+    "local_rank",
+    "prepare",
+    "print_main",
+    "rank",
+    "world_size",
+]
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """This process's place in the run: ranks, backend (None when single) and its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str | None
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is up (even a group of one started by torchrun)."""
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the process that should print, log and save."""
+        return self.rank == 0
+
+
+_context: DistributedContext | None = None
+
+
+def _cuda_per_process(launch_env: LaunchEnv) -> bool:
+    # NCCL needs a GPU of its own for each process on this machine; with fewer GPUs than
+    # processes every rank falls back to gloo on CPU, so that all ranks agree on the backend.
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() >= launch_env.local_world_size
+        and dist.is_nccl_available()
+    )
+
+
+def _pick(launch_env: LaunchEnv, backend: str | None) -> tuple[str, torch.device]:
+    has_cuda = _cuda_per_process(launch_env)
+    chosen = backend or ("nccl" if has_cuda else "gloo")
+    if chosen == "nccl" and not has_cuda:
+        raise DistributedError(
+            f"backend 'nccl' was asked for {launch_env.local_world_size} processes on this "
+            f"machine, but it has {torch.cuda.device_count()} usable CUDA devices.",
+            hint="Start at most one process per GPU (--nproc-per-node), or use backend='gloo'.",
+        )
+    if has_cuda:
+        return chosen, torch.device("cuda", launch_env.local_rank)
+    return chosen, torch.device("cpu")
+
+
+def init(
+    backend: str | None = None, *, timeout: datetime.timedelta | None = None
+) -> DistributedContext:
+    """Join the process group the launcher prepared, or return a one-process context.
+
+    Reads torchrun's (or SLURM srun's) environment; picks NCCL when each process of this
+    machine has a CUDA device, gloo otherwise; gives process ``local_rank`` the device
+    ``cuda:<local_rank>``. Without a launcher it starts nothing and returns rank 0 of 1 on
+    ``gk.device("auto")``. Calling it again returns the same context.
+
+    >>> init().world_size            # plain `python script.py`
+    1
+    """
+    global _context
+    if _context is not None and (_context.distributed == dist.is_initialized()):
+        return _context
+    launch_env = read_env()
+    if dist.is_initialized():  # someone else set the group up: describe it, do not redo it
+        group_backend = str(dist.get_backend())
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if group_backend == "nccl"
+            else torch.device("cpu")
+        )
+        _context = DistributedContext(
+            dist.get_rank(), launch_env.local_rank, dist.get_world_size(),
+            launch_env.local_world_size, group_backend, dev,
+        )
+        return _context
+    if not launch_env.launched:
+        _context = DistributedContext(0, 0, 1, 1, None, _auto_device("auto"))
+        return _context
+    chosen, dev = _pick(launch_env, backend)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(
+        chosen, init_method="env://", rank=launch_env.rank,
+        world_size=launch_env.world_size, **kwargs,
+    )
+    _context = DistributedContext(
+        launch_env.rank, launch_env.local_rank, launch_env.world_size,
+        launch_env.local_world_size, chosen, dev,
+    )
+    return _context
+
+
+def _ready() -> DistributedContext:
+    """The context, joining the group first when a launcher started us and nobody called init()."""
+    return init()
+
+
+def rank() -> int:
+    """This process's global rank (0 when not launched distributed)."""
+    return dist.get_rank() if dist.is_initialized() else read_env().rank
+
+
+def local_rank() -> int:
+    """This process's rank on its machine, which is also its GPU index."""
+    return read_env().local_rank
+
+
+def world_size() -> int:
+    """How many processes take part in the run (1 when not launched distributed)."""
+    return dist.get_world_size() if dist.is_initialized() else read_env().world_size
+
+
+def is_main() -> bool:
+    """True on global rank 0: the process that prints, logs and saves checkpoints."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait until every process reaches this point (returns at once in a single process)."""
+    ctx = _ready()
+    if not ctx.distributed:
+        return
+    if ctx.device.type == "cuda":
+        dist.barrier(device_ids=[ctx.device.index])
+    else:
+        dist.barrier()
+
+
+def print_main(*objects: Any, **kwargs: Any) -> None:
+    """``print`` on the main process only, so N processes do not print every line N times."""
+    if is_main():
+        print(*objects, **kwargs)
+
+
+class _MainOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_main()
+
+
+def get_logger(name: str) -> logging.Logger:
+    """A ``logging`` logger whose records are kept on the main process and dropped elsewhere."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _MainOnly) for f in logger.filters):
+        logger.addFilter(_MainOnly())
+    return logger
+
+
+def all_reduce_mean(x: torch.Tensor | float) -> Any:
+    """The mean of ``x`` over all processes: a tensor for a tensor, a float for a number.
+
+    >>> all_reduce_mean(2.0)        # one process: its own value
+    2.0
+    """
+    ctx = _ready()
+    is_number = not isinstance(x, torch.Tensor)
+    tensor = torch.as_tensor(x, dtype=torch.float64 if is_number else None)
+    if not tensor.is_floating_point():
+        tensor = tensor.double()
+    if ctx.distributed:
+        origin = tensor.device
+        work = tensor.detach().to(ctx.device, copy=True)
+        dist.all_reduce(work, op=dist.ReduceOp.SUM)
+        tensor = (work / ctx.world_size).to(origin)
+    return float(tensor) if is_number else tensor
+
+
+def _gather_tensor(t: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+    """All-gather ``t`` from every rank, concatenated along dim 0 (stacked when 0-d)."""
+    origin = t.device
+    work = t.detach().to(ctx.device)
+    if work.dim() == 0:
+        parts = [torch.empty_like(work) for _ in range(ctx.world_size)]
+        dist.all_gather(parts, work)
+        return torch.stack(parts).to(origin)
+    # Ranks may hold different lengths (the last batch of a metric computed by hand): share the
+    # lengths, pad to the longest, gather, then cut each part back.
+    size = torch.tensor([work.shape[0]], device=ctx.device)
+    sizes = [torch.empty_like(size) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s) for s in sizes]
+    longest = max(lengths)
+    if work.shape[0] < longest:
+        pad = work.new_zeros((longest - work.shape[0], *work.shape[1:]))
+        work = torch.cat([work, pad])
+    parts = [torch.empty_like(work) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, work)
+    return torch.cat([p[:n] for p, n in zip(parts, lengths, strict=True)]).to(origin)
+
+
+def _gather_nested(x: Any, ctx: DistributedContext, keep: list[bool] | None) -> Any:
+    if isinstance(x, torch.Tensor):
+        gathered = _gather_tensor(x, ctx)
+        if keep is None or x.dim() == 0:
+            return gathered
+        if gathered.shape[0] != len(keep):
+            loader = active_loader()
+            raise DistributedError(
+                f"gather_for_metrics() got a tensor of {x.shape[0]} rows during a batch of "
+                f"{loader.current_len if loader else '?'} samples, so it cannot tell which "
+                "rows the sampler repeated.",
+                hint="Gather per-sample values (one row per sample of the batch), or use "
+                "all_reduce_mean for per-batch numbers.",
+            )
+        return gathered[torch.tensor(keep, device=gathered.device)]
+    if isinstance(x, Mapping):
+        return type(x)({k: _gather_nested(v, ctx, keep) for k, v in x.items()})  # type: ignore[call-arg]
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_gather_nested(v, ctx, keep) for v in x)
+    raise DistributedError(
+        f"gather_for_metrics() cannot gather a {type(x).__name__}.",
+        hint="Pass a tensor, or a dict, list or tuple of tensors.",
+    )
+
+
+def gather_for_metrics(x: T) -> T:
+    """All-gather per-sample values from every process, dropping the sampler's repeats.
+
+    ``x`` is a tensor (or a dict/list/tuple of them) with one row per sample of the current
+    batch of a loader from :func:`prepare`. DistributedSampler repeats a few samples so that
+    every process gets as many; those rows are removed here, so a metric over the gathered
+    values counts each sample of the dataset exactly once. Outside such a loop it gathers
+    everything, concatenated in rank order.
+    """
+    ctx = _ready()
+    if not ctx.distributed or ctx.world_size == 1:
+        return x
+    loader = active_loader()
+    keep = loader.kept_rows() if loader is not None else None
+    gathered: T = _gather_nested(x, ctx, keep)
+    return gathered
+
+
+def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any]) -> Any:
+    if isinstance(model, DistributedDataParallel):
+        return model
+    model = to_device(model, ctx.device)
+    if ctx.world_size == 1:
+        return model
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, **ddp)
+
+
+def _prepare_optimizer(optimizer: Optimizer, ctx: DistributedContext) -> Optimizer:
+    # The model was moved in place, so the optimizer's parameters are already right; only state
+    # it holds (Adam's moments after a resume) must follow. "step" stays on the CPU, as torch
+    # keeps it there for non-capturable optimizers.
+    for key, state in list(optimizer.state.items()):
+        optimizer.state[key] = to_device(state, ctx.device, skip=("step",))
+    return optimizer
+
+
+@overload
+def prepare(model: M) -> M | DistributedDataParallel: ...
+@overload
+def prepare(
+    model: M, optimizer: Opt, loader: None = ..., *,
+    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, Opt]: ...
+@overload
+def prepare(
+    model: M, optimizer: Opt, loader: DataLoader[Any], *,
+    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
+@overload
+def prepare(
+    model: M, optimizer: None = ..., *, loader: DataLoader[Any],
+    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
+@overload
+def prepare(
+    model: M, optimizer: None, loader: DataLoader[Any], *,
+    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
+def prepare(
+    model: nn.Module,
+    optimizer: Optimizer | None = None,
+    loader: DataLoader[Any] | None = None,
+    *,
+    per_device_batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    seed: int = 0,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """Move the model (and DDP-wrap it when there are several processes), shard the loader.
+
+    Returns what it was given, in the same order, without the ``None`` s: ``model``,
+    ``(model, optimizer)``, ``(model, loader)`` or ``(model, optimizer, loader)``. A loader
+    needs an explicit batch size: ``per_device_batch_size=B`` (each process loads B samples) or
+    ``global_batch_size=G`` (one step sees G samples over all processes). Its samples are split
+    with a ``DistributedSampler`` seeded with ``seed`` (shuffled when the loader shuffled), a new
+    shuffle each epoch, and its batches arrive on this process's device. The loader is sharded
+    the same way with one process, so 1 and N processes see the same global batches.
+
+    >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
+    """
+    ctx = _ready()
+    out: list[Any] = [_prepare_model(model, ctx, ddp_kwargs or {})]
+    if optimizer is not None:
+        out.append(_prepare_optimizer(optimizer, ctx))
+    if loader is not None:
+        size = per_device_size(ctx.world_size, per_device_batch_size, global_batch_size)
+        out.append(
+            DistributedLoader(
+                loader, batch_size=size, rank=ctx.rank, world_size=ctx.world_size,
+                device=ctx.device, seed=seed,
+            )
+        )
+    return out[0] if len(out) == 1 else tuple(out)

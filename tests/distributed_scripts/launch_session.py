@@ -1,0 +1,15 @@
+"""Train and evaluate in 1 process, then in 2 with gk.distributed.launch; print JSON results."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import workloads
+
+from gpukit import distributed as dist
+
+if __name__ == "__main__":
+    single = {"weights": workloads.train(), "eval_ids": workloads.evaluate_ids()}
+    ranks = dist.launch(workloads.session, int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    print(json.dumps({"single": single, "ranks": ranks}))

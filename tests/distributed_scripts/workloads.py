@@ -1,0 +1,86 @@
+"""Tiny training and evaluation jobs run by the distributed tests, in 1 or N processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpukit import distributed as dist
+
+SAMPLES = 32
+GLOBAL_BATCH = 8
+EPOCHS = 2
+EVAL_SAMPLES = 11  # not divisible by 2 processes: the sampler repeats a sample
+EVAL_BATCH = 3
+
+
+def _data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, 4, generator=gen)
+    noise = 0.1 * torch.randn(SAMPLES, 1, generator=gen)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + noise
+    return TensorDataset(x, y)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def train() -> list[float]:
+    """Train with SGD on GLOBAL_BATCH samples per step, whatever the world size; final weights."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = DataLoader(_data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    model, opt, loader = dist.prepare(model, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7)
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return torch.cat([p.detach().flatten() for p in inner.parameters()]).tolist()
+
+
+def evaluate_ids() -> list[int]:
+    """Gather the sample ids seen by every process over one pass of a shuffled loader."""
+    ids = TensorDataset(torch.arange(EVAL_SAMPLES))
+    loader = DataLoader(ids, batch_size=EVAL_BATCH, shuffle=True)
+    _, loader = dist.prepare(nn.Linear(1, 1), loader=loader, per_device_batch_size=EVAL_BATCH)
+    seen: list[int] = []
+    for (batch,) in loader:
+        seen += dist.gather_for_metrics(batch).tolist()
+    return seen
+
+
+def session(_: Any = None) -> dict[str, Any]:
+    """Everything one launched process reports back to the test."""
+    ctx = dist.init()
+    dist.barrier()
+    return {
+        "rank": dist.rank(),
+        "world_size": dist.world_size(),
+        "local_rank": dist.local_rank(),
+        "backend": ctx.backend,
+        "is_main": dist.is_main(),
+        "mean_of_ranks": dist.all_reduce_mean(float(dist.rank())),
+        "weights": train(),
+        "eval_ids": evaluate_ids(),
+        "pid": os.getpid(),
+    }
+
+
+def failing(mode: str, pid_dir: str) -> None:
+    """Rank 1 fails (raises, or is killed) while rank 0 waits for it in a collective."""
+    Path(pid_dir, f"{os.getpid()}.pid").write_text(str(os.getpid()))
+    if dist.rank() == 1:
+        if mode == "kill":
+            os.kill(os.getpid(), 9)
+        raise ValueError("boom from the test worker")
+    dist.barrier()  # never completes: rank 1 is gone

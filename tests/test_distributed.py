@@ -1,0 +1,205 @@
+"""gk.distributed in one process: environment reading, batch sizes, sharding, padding removal."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
+
+from gpukit import distributed as dist
+from gpukit._dist_data import kept_mask, per_device_size
+from gpukit._dist_env import read_env
+from gpukit._launch import _failures
+from gpukit.errors import DistributedError, InvalidArgumentError
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+               "SLURM_NTASKS"]
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _ids_loader(n: int, *, shuffle: bool = False, batch_size: int = 4) -> DataLoader[object]:
+    return DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, shuffle=shuffle)
+
+
+def test_read_env_takes_ranks_from_torchrun_variables() -> None:
+    env = read_env(TORCHRUN)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert env.source == "torchrun"
+
+
+def test_read_env_takes_ranks_from_slurm_when_torchrun_did_not_set_them() -> None:
+    env = read_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                    "SLURM_TASKS_PER_NODE": "4(x2)", "MASTER_ADDR": "node1",
+                    "MASTER_PORT": "29500"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert env.source == "slurm"
+
+
+def test_read_env_under_slurm_without_master_addr_says_how_to_set_it() -> None:
+    with pytest.raises(DistributedError, match="MASTER_ADDR") as info:
+        read_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"})
+    assert "scontrol show hostnames" in str(info.value)
+
+
+def test_read_env_rejects_a_rank_outside_the_world() -> None:
+    with pytest.raises(DistributedError, match="rank 4 does not fit"):
+        read_env({**TORCHRUN, "RANK": "4"})
+
+
+def test_read_env_without_a_launcher_is_rank_0_of_1() -> None:
+    env = read_env({})
+    assert (env.rank, env.world_size, env.launched) == (0, 1, False)
+
+
+def test_init_without_a_launcher_is_a_single_process_on_the_auto_device() -> None:
+    ctx = dist.init()
+    assert (ctx.rank, ctx.world_size, ctx.distributed, ctx.is_main) == (0, 1, False, True)
+    assert ctx.device == torch.device("cpu")  # this test machine has no GPU
+
+
+def test_rank_reads_the_launcher_before_init_so_is_main_is_right_everywhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key, value in TORCHRUN.items():
+        monkeypatch.setenv(key, value)
+    assert (dist.rank(), dist.world_size(), dist.local_rank(), dist.is_main()) == (3, 4, 1, False)
+
+
+def test_prepare_in_one_process_returns_the_model_itself_unwrapped() -> None:
+    model = nn.Linear(2, 2)
+    assert dist.prepare(model) is model
+
+
+def test_prepare_returns_objects_in_the_order_given() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = dist.prepare(model, opt, _ids_loader(8), per_device_batch_size=4)
+    assert (got[0], got[1]) == (model, opt)
+    assert isinstance(got[2], dist.DistributedLoader)
+
+
+def test_prepare_refuses_a_loader_without_an_explicit_batch_size() -> None:
+    with pytest.raises(InvalidArgumentError, match="neither per_device_batch_size"):
+        dist.prepare(nn.Linear(1, 1), loader=_ids_loader(8))
+
+
+def test_prepare_refuses_both_batch_sizes_at_once() -> None:
+    with pytest.raises(InvalidArgumentError, match="both"):
+        dist.prepare(nn.Linear(1, 1), loader=_ids_loader(8), per_device_batch_size=2,
+                     global_batch_size=4)
+
+
+def test_global_batch_size_is_split_evenly_over_processes() -> None:
+    assert per_device_size(4, None, 64) == 16
+    with pytest.raises(InvalidArgumentError, match="multiple of 4"):
+        per_device_size(4, None, 30)
+
+
+def test_prepare_refuses_a_sampler_it_cannot_shard() -> None:
+    data = TensorDataset(torch.arange(8))
+    loader = DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.raises(InvalidArgumentError, match="WeightedRandomSampler"):
+        dist.prepare(nn.Linear(1, 1), loader=loader, per_device_batch_size=2)
+
+
+def test_prepared_loader_uses_the_explicit_batch_size_not_the_loaders() -> None:
+    _, loader = dist.prepare(nn.Linear(1, 1), loader=_ids_loader(10, batch_size=4),
+                             per_device_batch_size=3)
+    assert [len(b[0]) for b in loader] == [3, 3, 3, 1]
+
+
+def test_prepared_loader_shuffles_differently_each_epoch_and_reproducibly_per_seed() -> None:
+    def passes(seed: int) -> list[list[int]]:
+        _, loader = dist.prepare(nn.Linear(1, 1), loader=_ids_loader(16, shuffle=True),
+                                 per_device_batch_size=16, seed=seed)
+        return [next(iter(loader))[0].tolist() for _ in range(2)]
+
+    first = passes(seed=3)
+    assert first[0] != first[1]
+    assert passes(seed=3) == first
+
+
+def test_set_epoch_picks_the_shuffle_of_that_epoch() -> None:
+    _, loader = dist.prepare(nn.Linear(1, 1), loader=_ids_loader(16, shuffle=True),
+                             per_device_batch_size=16)
+    epoch0 = next(iter(loader))[0].tolist()
+    loader.set_epoch(0)
+    assert next(iter(loader))[0].tolist() == epoch0
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 60), world=st.integers(1, 6), batch=st.integers(1, 7),
+       shuffle=st.booleans())
+def test_kept_mask_keeps_every_sample_exactly_once_over_torchs_distributed_sampler(
+    n: int, world: int, batch: int, shuffle: bool
+) -> None:
+    shards = [list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle))
+              for r in range(world)]
+    kept: list[int] = []
+    for start in range(0, len(shards[0]), batch):
+        gathered = [i for shard in shards for i in shard[start:start + batch]]
+        length = len(shards[0][start:start + batch])
+        mask = kept_mask(n, world, start, length)
+        kept += [i for i, keep in zip(gathered, mask, strict=True) if keep]
+    assert sorted(kept) == list(range(n))
+
+
+def test_gather_for_metrics_in_one_process_returns_the_values_themselves() -> None:
+    values = {"pred": torch.arange(3)}
+    assert dist.gather_for_metrics(values) is values
+
+
+def test_all_reduce_mean_of_a_number_in_one_process_is_that_number_as_float() -> None:
+    assert dist.all_reduce_mean(3) == 3.0
+
+
+def test_main_only_logger_drops_records_on_other_ranks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = dist.get_logger("gpukit.test.main_only")
+    with caplog.at_level(logging.INFO, logger="gpukit.test.main_only"):
+        log.info("from rank 0")
+        for key, value in TORCHRUN.items():
+            monkeypatch.setenv(key, value)
+        log.info("from rank 3")
+    assert [r.getMessage() for r in caplog.records] == ["from rank 0"]
+
+
+def test_print_main_prints_only_on_rank_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dist.print_main("shown")
+    for key, value in TORCHRUN.items():
+        monkeypatch.setenv(key, value)
+    dist.print_main("hidden")
+    assert capsys.readouterr().out == "shown\n"
+
+
+def test_launch_refuses_a_process_count_below_one() -> None:
+    with pytest.raises(InvalidArgumentError, match="nprocs=0"):
+        dist.launch(print, 0)
+
+
+def test_launch_failure_names_the_rank_that_vanished_before_the_peer_that_lost_it(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "0.start").touch()
+    (tmp_path / "1.start").touch()
+    (tmp_path / "0.error").write_text(json.dumps({
+        "time": 1.0, "error": "RuntimeError: Connection closed by peer", "traceback": "t"}))
+    order = [rank for rank, _, _ in _failures({}, tmp_path)]
+    assert order == [1, 0]

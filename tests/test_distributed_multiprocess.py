@@ -1,0 +1,147 @@
+"""gk.distributed across processes: gloo on CPU, launched by gk.distributed.launch and torchrun.
+
+Each test runs a script from ``distributed_scripts/`` in a subprocess with a timeout, so a hang
+fails the test instead of blocking the suite, and checks afterwards that no worker is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from gpukit._launch import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "distributed_scripts"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(SCRIPTS)])
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["OMP_NUM_THREADS"] = "1"  # two processes on a small machine: do not oversubscribe
+    return env
+
+
+def _script(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
+        env=_env(), timeout=timeout, check=False,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _pids(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in folder.glob("*.pid")]
+
+
+def _assert_all_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "worker processes were left running"
+
+
+@pytest.fixture(scope="module")
+def session() -> dict[str, Any]:
+    """One run: the workloads in 1 process, then in 2 processes started by launch()."""
+    done = _script("launch_session.py", "2", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_launch_returns_each_ranks_result_in_rank_order(session: dict[str, Any]) -> None:
+    ranks = session["ranks"]
+    assert [(r["rank"], r["world_size"], r["is_main"]) for r in ranks] == [
+        (0, 2, True), (1, 2, False)]
+
+
+def test_launched_processes_use_gloo_and_their_local_rank_on_cpu(
+    session: dict[str, Any],
+) -> None:
+    assert [(r["backend"], r["local_rank"]) for r in session["ranks"]] == [
+        ("gloo", 0), ("gloo", 1)]
+
+
+def test_all_reduce_mean_averages_over_processes(session: dict[str, Any]) -> None:
+    assert [r["mean_of_ranks"] for r in session["ranks"]] == [0.5, 0.5]
+
+
+def test_two_processes_end_with_the_same_weights_as_one_on_the_same_global_batches(
+    session: dict[str, Any],
+) -> None:
+    single = session["single"]["weights"]
+    for rank in session["ranks"]:
+        assert rank["weights"] == pytest.approx(single, abs=1e-5)
+
+
+def test_gather_for_metrics_returns_each_sample_once_when_the_world_does_not_divide_it(
+    session: dict[str, Any],
+) -> None:
+    for rank in session["ranks"]:
+        assert sorted(rank["eval_ids"]) == list(range(11))
+        assert rank["eval_ids"] == session["ranks"][0]["eval_ids"]  # every rank sees it all
+
+
+def test_launched_workers_are_gone_after_launch_returns(session: dict[str, Any]) -> None:
+    _assert_all_gone([r["pid"] for r in session["ranks"]])
+
+
+@pytest.mark.parametrize(("mode", "says"), [
+    ("raise", "failed: rank 1 raised ValueError: boom from the test worker"),
+    ("kill", "failed: rank 1 was killed by SIGKILL"),
+])
+def test_a_failing_worker_ends_launch_quickly_naming_its_rank_and_leaving_no_process(
+    tmp_path: Path, mode: str, says: str,
+) -> None:
+    started = time.monotonic()
+    done = _script("launch_failing.py", mode, str(tmp_path), timeout=60)
+    assert time.monotonic() - started < 60
+    assert done.returncode != 0
+    assert "WorkerFailedError" in done.stderr
+    assert says in done.stderr
+    pids = _pids(tmp_path)
+    assert len(pids) == 2  # both workers had started before rank 1 failed
+    _assert_all_gone(pids)
+
+
+def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_together(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+               "--rdzv-id=gpukit-two-nodes", "--max-restarts=0",
+               str(SCRIPTS / "torchrun_train.py"), str(tmp_path)]
+    nodes = [subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait(timeout=10)
+    assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["world_size"], r["backend"]) for r in results] == [
+        (0, 2, "gloo"), (1, 2, "gloo")]
+    assert results[0]["weights"] == pytest.approx(results[1]["weights"], abs=1e-6)
+    _assert_all_gone(_pids(tmp_path))
