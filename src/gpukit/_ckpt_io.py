@@ -171,6 +171,13 @@ class RawCheckpoint:
     source_devices: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     size: int = 0
+    _by_pointer: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def saved_device(self, tensor: torch.Tensor) -> str | None:
+        """The device ``tensor`` was saved from, when the file says so (None: unknown)."""
+        if len(self.source_devices) == 1:
+            return self.source_devices[0]
+        return self._by_pointer.get(tensor.untyped_storage().data_ptr())
 
 
 class _LocationRecorder:
@@ -179,12 +186,15 @@ class _LocationRecorder:
     def __init__(self, target: torch.device | None) -> None:
         self.target = target
         self.seen: list[str] = []
+        self.by_pointer: dict[int, str] = {}
 
     def __call__(self, storage: Any, location: str) -> Any:
         if location not in self.seen:
             self.seen.append(location)
         if self.target is None or self.target.type == "cpu":
-            return storage  # torch hands the storage over on the CPU
+            # torch hands the storage over on the CPU; kept as is, so its address names it.
+            self.by_pointer[storage.data_ptr()] = location
+            return storage
         restore = torch.serialization.default_restore_location
         return restore(storage, str(self.target))  # type: ignore[no-untyped-call]
 
@@ -200,7 +210,9 @@ def _untrusted(path: Path, exc: Exception) -> UntrustedCheckpointError:
     )
 
 
-def _read_torch(path: Path, target: torch.device | None, trust: bool) -> tuple[Any, list[str]]:
+def _read_torch(
+    path: Path, target: torch.device | None, trust: bool
+) -> tuple[Any, _LocationRecorder]:
     recorder = _LocationRecorder(target)
     try:
         content = torch.load(path, map_location=recorder, weights_only=not trust)
@@ -210,7 +222,7 @@ def _read_torch(path: Path, target: torch.device | None, trust: bool) -> tuple[A
         raise _unreadable(path, TORCH, exc) from None
     except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, OSError) as exc:
         raise _unreadable(path, TORCH, exc) from None
-    return content, recorder.seen
+    return content, recorder
 
 
 def _read_safetensors(path: Path, target: torch.device | None) -> tuple[Any, dict[str, str]]:
@@ -283,8 +295,9 @@ def read(path: Path, *, target: torch.device | None, trust: bool) -> RawCheckpoi
         devices = list(meta.get("devices", [])) or ["cpu"]
         return RawCheckpoint(path, fmt, content, devices, meta, size)
     if fmt == TORCH:
-        content, devices = _read_torch(path, target, trust)
-        return RawCheckpoint(path, fmt, content, devices, gpukit_metadata(content, {}), size)
+        content, recorder = _read_torch(path, target, trust)
+        meta = gpukit_metadata(content, {})
+        return RawCheckpoint(path, fmt, content, recorder.seen, meta, size, recorder.by_pointer)
     raise CheckpointError(
         f"{path} ({size} bytes) is not a checkpoint: its content looks like {fmt}.",
         hint="gk.load reads files written by torch.save or safetensors (*.pt, *.pth, "
