@@ -129,8 +129,11 @@ def find_state_dict(obj: object) -> tuple[Mapping[str, Any], str | None]:
     raise LookupError(f"no state dict among its entries ({shown})")
 
 
-def _drop_inner_compile(key: str) -> str:
-    # torch.compile on a submodule leaves "encoder._orig_mod.weight": safe to drop anywhere.
+def _drop_compile(key: str) -> str:
+    # torch.compile on a submodule leaves "encoder._orig_mod.weight". No real module can be
+    # called "_orig_mod" (OptimizedModule owns that attribute), so it goes wherever it is.
+    while key.startswith(_COMPILE_PREFIX):
+        key = key[len(_COMPILE_PREFIX) :]
     while ("." + _COMPILE_PREFIX) in key:
         key = key.replace("." + _COMPILE_PREFIX, ".")
     return key
@@ -138,7 +141,7 @@ def _drop_inner_compile(key: str) -> str:
 
 def _clean_key(key: str, prefixes: list[str]) -> str:
     """Replay on one key the cleaning that :func:`clean_keys` decided for all of them."""
-    key = _drop_inner_compile(key)
+    key = _drop_compile(key)
     for prefix in prefixes:
         key = key.removeprefix(prefix)
     return key
@@ -146,19 +149,13 @@ def _clean_key(key: str, prefixes: list[str]) -> str:
 
 def _clean_names(keys: list[str]) -> tuple[list[str], list[str]]:
     """Cleaned keys (same order) and the prefixes removed; see :func:`clean_keys`."""
-    current = [_drop_inner_compile(key) for key in keys]
+    current = [_drop_compile(key) for key in keys]
     removed: list[str] = []
-    while current:
-        prefix = next(
-            (p for p in (_DP_PREFIX, _COMPILE_PREFIX) if all(k.startswith(p) for k in current)),
-            None,
-        )
-        if prefix is None:
-            break
-        removed.append(prefix)
-        current = [key[len(prefix) :] for key in current]
-    if any(("." + _COMPILE_PREFIX) in key for key in keys) and _COMPILE_PREFIX not in removed:
-        removed.append(_COMPILE_PREFIX)
+    while current and all(key.startswith(_DP_PREFIX) for key in current):
+        removed.append(_DP_PREFIX)
+        current = [key[len(_DP_PREFIX) :] for key in current]
+    if any(_COMPILE_PREFIX[:-1] in key.split(".") for key in keys):
+        removed.insert(0, _COMPILE_PREFIX)
     return current, removed
 
 
