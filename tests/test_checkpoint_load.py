@@ -210,7 +210,7 @@ def test_missing_file_is_a_checkpoint_error(tmp_path: Path):
 
 def test_file_without_weights_lists_what_it_holds(tmp_path: Path):
     torch.save({"epoch": 3, "lr": 0.1}, tmp_path / "meta.pt")
-    with pytest.raises(CheckpointError, match="no model weights.*'epoch', 'lr'"):
+    with pytest.raises(CheckpointError, match=r"no model weights.*'epoch', 'lr'"):
         gk.load(_net(), tmp_path / "meta.pt")
 
 

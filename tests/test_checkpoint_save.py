@@ -89,7 +89,7 @@ def test_save_cleans_a_prefixed_state_dict_given_directly(tmp_path: Path):
 
 
 def test_save_refuses_non_tensor_entries_in_a_safetensors_file(tmp_path: Path):
-    with pytest.raises(CheckpointError, match="'epoch'.*\\.pt"):
+    with pytest.raises(CheckpointError, match=r"'epoch'.*\.pt"):
         gk.save({"model": _net(), "epoch": 3}, tmp_path / "run.safetensors")
     assert not list(tmp_path.iterdir())
 
