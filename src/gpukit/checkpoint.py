@@ -2,7 +2,7 @@
 
 >>> import gpukit as gk, torch
 >>> model = torch.nn.DataParallel(torch.nn.Linear(4, 2))
->>> gk.save(model, "linear.safetensors")             # keys "weight", "bias": no "module."
+>>> path = gk.save(model, "linear.safetensors")      # keys "weight", "bias": no "module."
 >>> report = gk.load(torch.nn.Linear(4, 2), "linear.safetensors")
 >>> report.ok
 True
