@@ -1,0 +1,305 @@
+"""Checkpoint files: atomic writes, format detection, and reading without raw tracebacks.
+
+A save goes to a temporary file next to the target, is flushed and fsynced, renamed over the
+target, and the folder is fsynced, so a crash at any moment leaves the old file or the new one.
+A process killed mid-save leaves its temporary file behind, named
+``.<target>.<pid>.<random>.gpukit-tmp``; the next save of the same target removes those whose
+process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import secrets
+import struct
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
+
+__all__ = [
+    "TMP_SUFFIX",
+    "RawCheckpoint",
+    "atomic_write",
+    "file_format",
+    "gpukit_metadata",
+    "read",
+    "suffix_format",
+]
+
+TMP_SUFFIX = ".gpukit-tmp"
+SAFETENSORS = "safetensors"
+TORCH = "torch"
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def suffix_format(path: Path) -> str:
+    """``"safetensors"`` or ``"torch"`` from a file name; anything else is a usage error."""
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return SAFETENSORS
+    if suffix in _TORCH_SUFFIXES:
+        return TORCH
+    raise InvalidArgumentError(
+        f"{path.name}: gpukit picks the checkpoint format from the suffix, and "
+        f"{suffix or 'no suffix'!r} is not one it knows.",
+        hint="Name the file *.safetensors (weights only) or *.pt / *.pth (anything torch.save "
+        "can hold).",
+    )
+
+
+def _safetensors_header(head: bytes, limit: int = 100 << 20) -> bool:
+    """An 8-byte header length (safetensors caps headers at 100 MB) followed by JSON."""
+    if len(head) < 9:
+        return False
+    (length,) = struct.unpack("<Q", head[:8])
+    return 0 < length <= limit and head[8:9] == b"{"
+
+
+def file_format(path: Path) -> str:
+    """What the bytes of ``path`` are: ``safetensors``, ``torch`` (zip or legacy), or a guess.
+
+    Anything but the first two is a short description used in error messages (``empty``,
+    ``text``, ``zip archive``, ``unknown``).
+    """
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        head = handle.read(64)
+    if size == 0:
+        return "empty"
+    if head.startswith(b"PK\x03\x04"):
+        return TORCH
+    if _safetensors_header(head):
+        return SAFETENSORS
+    if head[:1] == b"\x80":  # a pickle protocol marker: torch's legacy format
+        return TORCH
+    if head.startswith((b"\x93NUMPY", b"\x89HDF")):
+        return "numpy or HDF5 data"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "unknown binary data"
+    return "text"
+
+
+def _fsync_folder(folder: Path) -> None:
+    # Makes the rename itself durable; not possible (nor needed) on Windows.
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def _remove_stale(target: Path) -> None:
+    """Remove temporary files of earlier saves of ``target`` whose process has died."""
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]+{re.escape(TMP_SUFFIX)}$")
+    for entry in target.parent.iterdir():
+        match = pattern.match(entry.name)
+        if match and not _process_alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+
+
+def _create_temp(target: Path) -> tuple[Path, int]:
+    while True:
+        name = f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        tmp = target.parent / name
+        try:
+            # 0o666 minus the umask: the file gets the permissions torch.save would give it.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        return tmp, fd
+
+
+def atomic_write(target: Path, write: Callable[[BinaryIO, Path], None]) -> None:
+    """Run ``write`` on a temporary file next to ``target``, then put it in place atomically.
+
+    ``write`` gets the open file and its path (for writers that open the path themselves; the
+    fsync through the open handle covers what they wrote, as it is the same file).
+    """
+    folder = target.parent
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"Cannot save {target}: the folder {folder} does not exist.",
+            hint="Create it first, for example with Path(...).mkdir(parents=True).",
+        )
+    _remove_stale(target)
+    tmp, fd = _create_temp(target)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle, tmp)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_folder(folder)
+
+
+@dataclass
+class RawCheckpoint:
+    """What a file holds, before any key cleaning: the object and where its tensors came from."""
+
+    path: Path
+    format: str
+    content: Any
+    source_devices: list[str] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    size: int = 0
+    _by_pointer: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def saved_device(self, tensor: torch.Tensor) -> str | None:
+        """The device ``tensor`` was saved from, when the file says so (None: unknown)."""
+        if len(self.source_devices) == 1:
+            return self.source_devices[0]
+        return self._by_pointer.get(tensor.untyped_storage().data_ptr())
+
+
+class _LocationRecorder:
+    """A torch.load ``map_location`` that notes each storage's saved device, then moves it."""
+
+    def __init__(self, target: torch.device | None) -> None:
+        self.target = target
+        self.seen: list[str] = []
+        self.by_pointer: dict[int, str] = {}
+
+    def __call__(self, storage: Any, location: str) -> Any:
+        if location not in self.seen:
+            self.seen.append(location)
+        if self.target is None or self.target.type == "cpu":
+            # torch hands the storage over on the CPU; kept as is, so its address names it.
+            self.by_pointer[storage.data_ptr()] = location
+            return storage
+        restore = torch.serialization.default_restore_location
+        return restore(storage, str(self.target))  # type: ignore[no-untyped-call]
+
+
+def _untrusted(path: Path, exc: Exception) -> UntrustedCheckpointError:
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    what = f"a reference to {found.group(1)}" if found else "Python objects other than tensors"
+    return UntrustedCheckpointError(
+        f"{path} holds {what}, which loading would have to run as code; refused because the "
+        "file is not trusted (torch.load weights_only=True).",
+        hint="If you made this file or trust where it came from, pass trust=True "
+        "(gpukit ckpt: --trust). Then re-save it with gk.save to get a file that needs no trust.",
+    )
+
+
+def _read_torch(
+    path: Path, target: torch.device | None, trust: bool
+) -> tuple[Any, _LocationRecorder]:
+    recorder = _LocationRecorder(target)
+    try:
+        content = torch.load(path, map_location=recorder, weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        if not trust and "Weights only load failed" in str(exc):
+            raise _untrusted(path, exc) from None
+        raise _unreadable(path, TORCH, exc) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, OSError) as exc:
+        raise _unreadable(path, TORCH, exc) from None
+    return content, recorder
+
+
+def _read_safetensors(path: Path, target: torch.device | None) -> tuple[Any, dict[str, str]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    device = "cpu" if target is None else str(target)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(str(path), device=device)
+    except Exception as exc:  # safetensors raises its own (Rust) error types
+        raise _unreadable(path, SAFETENSORS, exc) from None
+    return tensors, metadata
+
+
+def _unreadable(path: Path, fmt: str, exc: BaseException) -> CheckpointError:
+    size = path.stat().st_size
+    reason = (str(exc).split(". ")[0].splitlines() or [type(exc).__name__])[0].rstrip(".")
+    with path.open("rb") as handle:
+        head = handle.read(16)
+    if fmt == TORCH and head.startswith(b"PK") and not zipfile.is_zipfile(path):
+        what = "is a torch.save zip archive cut short (its central directory is missing)"
+    elif fmt == SAFETENSORS and _safetensors_header(head, 1 << 62):
+        (length,) = struct.unpack("<Q", head[:8])
+        short = 8 + length > size
+        what = (
+            f"is a safetensors file cut short (its header alone needs {8 + length} bytes)"
+            if short
+            else f"looks like a safetensors file but cannot be read ({reason})"
+        )
+    else:
+        looks = "a torch.save file" if fmt == TORCH else "a safetensors file"
+        what = f"looks like {looks} but cannot be read ({reason})"
+    return CheckpointError(
+        f"{path} ({size} bytes) {what}.",
+        hint="The file is probably truncated or corrupted (an interrupted copy or save); "
+        "save or download it again.",
+    )
+
+
+def gpukit_metadata(content: Any, raw_meta: dict[str, str]) -> dict[str, Any]:
+    """The metadata gk.save recorded, from a torch object or a safetensors header."""
+    if "gpukit" in raw_meta:
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(raw_meta["gpukit"])
+            if isinstance(loaded, dict):
+                return loaded
+    found = getattr(content, "_gpukit_metadata", None)
+    return dict(found) if isinstance(found, dict) else {}
+
+
+def read(path: Path, *, target: torch.device | None, trust: bool) -> RawCheckpoint:
+    """Read a checkpoint file of either format, mapping tensors to ``target`` (None: CPU)."""
+    if not path.exists():
+        raise CheckpointError(
+            f"No checkpoint at {path}: the file does not exist.",
+            hint="Check the path (relative paths start from the current folder).",
+        )
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder, not a checkpoint file.",
+            hint="Pass the file inside it (*.pt, *.pth or *.safetensors).",
+        )
+    fmt = file_format(path)
+    size = path.stat().st_size
+    if fmt == SAFETENSORS:
+        content, raw_meta = _read_safetensors(path, target)
+        meta = gpukit_metadata(content, raw_meta)
+        devices = list(meta.get("devices", [])) or ["cpu"]
+        return RawCheckpoint(path, fmt, content, devices, meta, size)
+    if fmt == TORCH:
+        content, recorder = _read_torch(path, target, trust)
+        meta = gpukit_metadata(content, {})
+        return RawCheckpoint(path, fmt, content, recorder.seen, meta, size, recorder.by_pointer)
+    raise CheckpointError(
+        f"{path} ({size} bytes) is not a checkpoint: its content looks like {fmt}.",
+        hint="gk.load reads files written by torch.save or safetensors (*.pt, *.pth, "
+        "*.safetensors).",
+    )

@@ -1,0 +1,250 @@
+"""Checkpoint keys: unwrap modules, find the state dict in a container, clean and match keys.
+
+Three sources put extra segments into state-dict keys: ``nn.DataParallel`` and
+``DistributedDataParallel`` (``module.``), ``torch.compile`` (``_orig_mod.``), and training
+frameworks that hold the network as an attribute (``model.`` in a Lightning checkpoint). The
+first two are never part of a real module's name, so they are removed wherever they are certain;
+the third is removed only when a model is given and removing it is what makes the keys match.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CONTAINER_KEYS",
+    "KeyMatch",
+    "clean_keys",
+    "copy_metadata",
+    "find_state_dict",
+    "is_state_dict",
+    "match_keys",
+    "nearest",
+    "unwrap",
+]
+
+_DP_PREFIX = "module."
+_COMPILE_PREFIX = "_orig_mod."
+
+# Where checkpoints written by common training code keep the model's weights, most specific first.
+CONTAINER_KEYS = (
+    "state_dict",
+    "model_state_dict",
+    "model_state",
+    "model",
+    "module",
+    "net",
+    "network",
+    "weights",
+    "params",
+)
+
+
+def _wrapper_types() -> tuple[type[nn.Module], ...]:
+    """The classes that hold the real module in ``.module``."""
+    types: list[type[nn.Module]] = [nn.DataParallel, nn.parallel.DistributedDataParallel]
+    try:
+        from gpukit.parallel.data_parallel import DataParallel
+    except ImportError:  # the parallel package is optional at this layer
+        pass
+    else:
+        types.append(DataParallel)
+    return tuple(types)
+
+
+def _compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module torch.compile wrapped, or None when ``module`` is not compiled."""
+    # Looked up in sys.modules: importing torch._dynamo costs seconds, and no OptimizedModule
+    # can exist unless torch.compile (which imports it) has run.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        inner = module._orig_mod
+        assert isinstance(inner, nn.Module)
+        return inner
+    return None
+
+
+def unwrap(module: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The innermost real module, and the wrapper class names removed, outermost first."""
+    removed: list[str] = []
+    wrappers = _wrapper_types()
+    while True:
+        inner = _compiled_inner(module)
+        if inner is None and isinstance(module, wrappers):
+            candidate = module.module
+            inner = candidate if isinstance(candidate, nn.Module) else None
+        if inner is None:
+            return module, removed
+        removed.append(type(module).__name__)
+        module = inner
+
+
+def is_state_dict(obj: object) -> bool:
+    """A mapping of string keys to tensors (``_extra_state`` entries may hold anything)."""
+    if not isinstance(obj, Mapping) or not obj:
+        return False
+    saw_tensor = False
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            return False
+        if isinstance(value, torch.Tensor):
+            saw_tensor = True
+        elif not key.endswith("_extra_state"):
+            return False
+    return saw_tensor
+
+
+def find_state_dict(obj: object) -> tuple[Mapping[str, Any], str | None]:
+    """The state dict inside a loaded checkpoint, and the container key it was under.
+
+    Returns ``(state_dict, None)`` when ``obj`` is itself one. Raises ``LookupError`` naming the
+    top-level entries when no state dict can be found.
+    """
+    if isinstance(obj, nn.Module):
+        return unwrap(obj)[0].state_dict(), None
+    if is_state_dict(obj):
+        assert isinstance(obj, Mapping)
+        return obj, None
+    if not isinstance(obj, Mapping):
+        raise LookupError(f"the file holds a {type(obj).__name__}, not a dict of tensors")
+    for key in CONTAINER_KEYS:
+        if key in obj:
+            try:
+                inner, _ = find_state_dict(obj[key])
+            except LookupError:
+                continue
+            return inner, key
+    nested = [key for key, value in obj.items() if is_state_dict(value)]
+    if len(nested) == 1:
+        return obj[nested[0]], str(nested[0])
+    shown = ", ".join(repr(key) for key in list(obj)[:12])
+    raise LookupError(f"no state dict among its entries ({shown})")
+
+
+def _drop_compile(key: str) -> str:
+    # torch.compile on a submodule leaves "encoder._orig_mod.weight". No real module can be
+    # called "_orig_mod" (OptimizedModule owns that attribute), so it goes wherever it is.
+    while key.startswith(_COMPILE_PREFIX):
+        key = key[len(_COMPILE_PREFIX) :]
+    while ("." + _COMPILE_PREFIX) in key:
+        key = key.replace("." + _COMPILE_PREFIX, ".")
+    return key
+
+
+def _clean_key(key: str, prefixes: list[str]) -> str:
+    """Replay on one key the cleaning that :func:`clean_keys` decided for all of them."""
+    key = _drop_compile(key)
+    for prefix in prefixes:
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _clean_names(keys: list[str]) -> tuple[list[str], list[str]]:
+    """Cleaned keys (same order) and the prefixes removed; see :func:`clean_keys`."""
+    current = [_drop_compile(key) for key in keys]
+    removed: list[str] = []
+    while current and all(key.startswith(_DP_PREFIX) for key in current):
+        removed.append(_DP_PREFIX)
+        current = [key[len(_DP_PREFIX) :] for key in current]
+    if any(_COMPILE_PREFIX[:-1] in key.split(".") for key in keys):
+        removed.insert(0, _COMPILE_PREFIX)
+    return current, removed
+
+
+def clean_keys(state_dict: Mapping[str, Any]) -> tuple[OrderedDict[str, Any], list[str]]:
+    """``state_dict`` without wrapper prefixes, and the prefixes removed (in order).
+
+    A leading ``module.`` or ``_orig_mod.`` is removed, as often as it is stacked, only when
+    every key has it: a model may have a real submodule called ``module``.
+    """
+    keys, removed = _clean_names(list(state_dict))
+    cleaned: OrderedDict[str, Any] = OrderedDict(zip(keys, state_dict.values(), strict=True))
+    copy_metadata(state_dict, cleaned, removed)
+    return cleaned, removed
+
+
+def copy_metadata(
+    source: Mapping[str, Any], target: OrderedDict[str, Any], prefixes: list[str]
+) -> None:
+    """Carry torch's per-module ``_metadata`` (versions) over, renamed like the keys."""
+    metadata = getattr(source, "_metadata", None)
+    if isinstance(metadata, Mapping):
+        renamed: OrderedDict[str, Any] = OrderedDict()
+        # Deepest names first, so the real root's entry wins over a wrapper's "" entry.
+        for key in sorted(metadata, key=lambda k: -len(str(k))):
+            # Metadata keys name modules without the trailing dot: "", "module.layer1".
+            new_key = _clean_key(f"{key}." if key else "", prefixes).removesuffix(".")
+            renamed.setdefault(new_key, metadata[key])
+        target._metadata = renamed  # type: ignore[attr-defined]
+
+
+class KeyMatch:
+    """How the keys of a checkpoint line up with a model's."""
+
+    def __init__(self, mapping: dict[str, str], prefixes: list[str], model_keys: list[str]):
+        self.mapping = mapping  # checkpoint key -> model key
+        self.prefixes = prefixes
+        taken = set(mapping.values())
+        self.missing = [key for key in model_keys if key not in taken]
+        self.unexpected: list[str] = []
+
+
+def _first_segment(keys: list[str]) -> str | None:
+    heads = {key.split(".", 1)[0] for key in keys}
+    if len(heads) == 1 and all("." in key for key in keys):
+        return heads.pop() + "."
+    return None
+
+
+def match_keys(ckpt_keys: list[str], model_keys: list[str]) -> KeyMatch:
+    """Map already-cleaned checkpoint keys onto a model's keys.
+
+    A common leading segment (``model.``) is dropped while doing so matches more keys; a
+    ``module.`` segment inside a key (a wrapped submodule) is dropped where that finds a key the
+    model has and the checkpoint lacks.
+    """
+    wanted = set(model_keys)
+    prefixes: list[str] = []
+    keys = list(ckpt_keys)
+    while (head := _first_segment(keys)) is not None:
+        # "model.module.fc.weight": a framework's attribute around a DataParallel model.
+        stripped, removed = _clean_names([key[len(head) :] for key in keys])
+        if sum(k in wanted for k in stripped) <= sum(k in wanted for k in keys):
+            break
+        prefixes += [head, *removed]
+        keys = stripped
+    mapping: dict[str, str] = {}
+    pending: list[tuple[str, str]] = []
+    for original, key in zip(ckpt_keys, keys, strict=True):
+        if key in wanted:
+            mapping[original] = key
+        else:
+            pending.append((original, key))
+    taken = set(mapping.values())
+    unexpected: list[str] = []
+    for original, key in pending:
+        alt = ".".join(part for part in key.split(".") if part != _DP_PREFIX[:-1])
+        if alt != key and alt in wanted and alt not in taken:
+            mapping[original] = alt
+            taken.add(alt)
+            if ".module." not in prefixes:
+                prefixes.append(".module.")
+        else:
+            unexpected.append(original)
+    result = KeyMatch(mapping, prefixes, model_keys)
+    result.unexpected = unexpected
+    return result
+
+
+def nearest(name: str, candidates: list[str]) -> str | None:
+    """The candidate closest to ``name`` (a typo, a renamed layer), or None if none is close."""
+    found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return found[0] if found else None

@@ -1,0 +1,112 @@
+"""What a load did: the LoadReport, and the error that explains a checkpoint that does not fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpukit._ckpt_keys import nearest
+from gpukit.errors import CheckpointError
+
+__all__ = ["LoadReport", "mismatch_error"]
+
+_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The outcome of :func:`gpukit.load`.
+
+    ``loaded`` holds the model's names that received a tensor; ``missing`` the model's names the
+    file lacks; ``unexpected`` the file's names (after cleaning) the model lacks; ``mismatched``
+    maps a name to ``(shape in file, shape in model)``. ``prefixes_removed`` lists what was
+    stripped from the file's keys (``"module."``, ``"_orig_mod."``, ``"model."``; ``".module."``
+    for wrapped submodules). ``source_devices`` are the devices the tensors were saved from;
+    ``device`` is where they were loaded. ``extras`` holds the other entries of a container
+    checkpoint (optimizer state, epoch, ...), on ``device`` as well.
+    """
+
+    path: Path
+    format: str
+    loaded: list[str]
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    prefixes_removed: list[str]
+    source_devices: list[str]
+    device: str
+    container_key: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Every key of the model was loaded and the file had nothing else."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def __str__(self) -> str:
+        parts = [f"loaded {len(self.loaded)} tensors from {self.path.name} onto {self.device}"]
+        if self.prefixes_removed:
+            parts.append("removed prefixes " + ", ".join(self.prefixes_removed))
+        if self.source_devices:
+            parts.append("saved on " + ", ".join(self.source_devices))
+        for label, items in (
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("mis-shaped", list(self.mismatched)),
+        ):
+            if items:
+                parts.append(f"{len(items)} {label}: {_listed(items)}")
+        return "; ".join(parts)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def _with_nearest(names: list[str], others: list[str], other_side: str) -> str:
+    described = []
+    for name in names[:_SHOWN]:
+        close = nearest(name, others)
+        described.append(f"{name} (nearest {other_side}: {close})" if close else name)
+    more = len(names) - _SHOWN
+    return ", ".join(described) + (f" and {more} more" if more > 0 else "")
+
+
+def _plural(n: int, word: str) -> str:
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}es" if word.endswith(("s", "sh", "ch")) else f"{n} {word}s"
+
+
+def mismatch_error(report: LoadReport, model_name: str) -> CheckpointError:
+    """A CheckpointError listing what does not fit, with the nearest names on the other side."""
+    problems = []
+    if report.missing:
+        problems.append(
+            f"{_plural(len(report.missing), 'missing key')}: "
+            + _with_nearest(report.missing, report.unexpected, "in the file")
+        )
+    if report.unexpected:
+        problems.append(
+            f"{_plural(len(report.unexpected), 'unexpected key')}: "
+            + _with_nearest(report.unexpected, report.missing, "in the model")
+        )
+    if report.mismatched:
+        shapes = [
+            f"{name} (file {list(saved)}, model {list(wanted)})"
+            for name, (saved, wanted) in list(report.mismatched.items())[:_SHOWN]
+        ]
+        problems.append(
+            f"{_plural(len(report.mismatched), 'shape mismatch')}: " + ", ".join(shapes)
+        )
+    removed = (
+        f" (after removing {', '.join(report.prefixes_removed)})" if report.prefixes_removed else ""
+    )
+    return CheckpointError(
+        f"{report.path} does not fit {model_name}{removed}: " + "; ".join(problems) + ".",
+        hint=f"Fix the layer names or sizes, or pass strict=False to load the "
+        f"{len(report.loaded)} tensors that fit and get a LoadReport listing the rest.",
+    )

@@ -1,0 +1,228 @@
+"""``gpukit ckpt show|convert``: inspect a checkpoint, or rewrite it clean, on the CPU, in a format.
+
+``show`` prints the format, size, what gk.save recorded, the wrapper prefixes the keys carry, and
+a tree of the tensors with shapes, dtypes, saved devices and parameter counts. ``convert``
+removes wrapper prefixes, moves every tensor to the CPU and writes ``.pt`` or ``.safetensors``
+(atomically) from the output's suffix.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpukit.cli._output import console, human_bytes, print_json
+from gpukit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from rich.tree import Tree
+
+    from gpukit._ckpt_io import RawCheckpoint
+
+SCHEMA = "gpukit.ckpt.show/1"
+_WRAPPER_OF = {
+    "module.": "nn.DataParallel or DistributedDataParallel",
+    "_orig_mod.": "torch.compile",
+}
+_TRUST_HELP = "allow a pickle that runs code (only for files you made or trust)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``show`` and ``convert`` subcommands."""
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    show = sub.add_parser("show", help="format, metadata, wrappers and a tree of the tensors")
+    show.add_argument("file", type=Path, help="a .pt/.pth/.ckpt/.bin or .safetensors file")
+    show.add_argument("--json", action="store_true", help="print JSON (with a schema field)")
+    show.add_argument("--trust", action="store_true", help=_TRUST_HELP)
+    convert = sub.add_parser(
+        "convert", help="clean the keys, move tensors to the CPU, change format by suffix"
+    )
+    convert.add_argument("input", type=Path, help="the checkpoint to read")
+    convert.add_argument(
+        "output", type=Path, help="where to write it: *.pt, *.pth or *.safetensors"
+    )
+    convert.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="keep only the model's weights (drop optimizer state, epoch, ...)",
+    )
+    convert.add_argument("--trust", action="store_true", help=_TRUST_HELP)
+
+
+def _read(path: Path, trust: bool) -> RawCheckpoint:
+    import torch
+
+    from gpukit._ckpt_io import read
+
+    return read(path, target=torch.device("cpu"), trust=trust)
+
+
+def _tensor_rows(raw: RawCheckpoint, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
+    rows = []
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        rows.append(
+            {
+                "key": key,
+                "shape": list(value.shape),
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "device": raw.saved_device(value),
+                "numel": value.numel(),
+            }
+        )
+    return rows
+
+
+def _describe(value: object) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor {list(value.shape)}"
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return repr(value)[:60]
+    if isinstance(value, Mapping):
+        return f"dict of {len(value)}"
+    return type(value).__name__
+
+
+def _payload(raw: RawCheckpoint) -> dict[str, Any]:
+    from gpukit._ckpt_keys import clean_keys, find_state_dict
+
+    try:
+        state, container = find_state_dict(raw.content)
+    except LookupError:
+        state, container = {}, None
+    _, prefixes = clean_keys(state)
+    others: dict[str, str] = {}
+    if container is not None and isinstance(raw.content, Mapping):
+        others = {str(k): _describe(v) for k, v in raw.content.items() if k != container}
+    rows = _tensor_rows(raw, state)
+    return {
+        "schema": SCHEMA,
+        "path": str(raw.path),
+        "format": raw.format,
+        "size_bytes": raw.size,
+        "metadata": raw.metadata,
+        "container_key": container,
+        "other_entries": others,
+        "prefixes": prefixes,
+        "wrappers": [_WRAPPER_OF[p] for p in prefixes if p in _WRAPPER_OF],
+        "wrappers_removed_at_save": raw.metadata.get("wrappers_removed", []),
+        "source_devices": raw.source_devices,
+        "tensor_count": len(rows),
+        "parameter_count": sum(row["numel"] for row in rows),
+        "tensors": rows,
+    }
+
+
+def _tree(payload: dict[str, Any]) -> Tree:
+    from rich.tree import Tree
+
+    root = Tree(f"[bold]{Path(payload['path']).name}[/] ({payload['parameter_count']:,} params)")
+    nodes: dict[str, Tree] = {"": root}
+    totals: dict[str, int] = {}
+    for row in payload["tensors"]:
+        parts = row["key"].split(".")
+        for depth in range(1, len(parts)):
+            totals[".".join(parts[:depth])] = totals.get(".".join(parts[:depth]), 0) + row["numel"]
+    for row in payload["tensors"]:
+        parts = row["key"].split(".")
+        parent = ""
+        for depth in range(1, len(parts)):
+            name = ".".join(parts[:depth])
+            if name not in nodes:
+                nodes[name] = nodes[parent].add(f"{parts[depth - 1]} ({totals[name]:,} params)")
+            parent = name
+        device = row["device"] or "n/a"
+        nodes[parent].add(
+            f"{parts[-1]}  {row['shape']}  {row['dtype']}  {device}  [dim]{row['numel']:,}[/]"
+        )
+    return root
+
+
+def _show(args: argparse.Namespace) -> int:
+    payload = _payload(_read(args.file, args.trust))
+    if args.json:
+        print_json(payload)
+        return 0
+    out = console()
+    meta = payload["metadata"]
+    out.print(
+        f"{payload['path']}: {payload['format']}, {human_bytes(payload['size_bytes'])}, "
+        f"{payload['tensor_count']} tensors, {payload['parameter_count']:,} params"
+    )
+    saved = ", ".join(payload["source_devices"]) or "n/a"
+    if meta:
+        removed = ", ".join(meta.get("wrappers_removed", [])) or "none"
+        out.print(
+            f"saved by gpukit {meta.get('gpukit_version', '?')} with torch "
+            f"{meta.get('torch_version', '?')} from {saved}; wrappers removed: {removed}"
+        )
+        if meta.get("metadata"):
+            out.print(f"metadata: {meta['metadata']}")
+    else:
+        out.print(f"saved from {saved} (not written by gk.save)")
+    if payload["prefixes"]:
+        carried = ", ".join(f"{p} ({_WRAPPER_OF.get(p, 'a wrapper')})" for p in payload["prefixes"])
+        out.print(f"keys carry {carried}: gk.load removes them; gpukit ckpt convert rewrites them")
+    if payload["container_key"] is not None:
+        others = ", ".join(f"{k}: {v}" for k, v in payload["other_entries"].items()) or "none"
+        out.print(f"weights under {payload['container_key']!r}; other entries: {others}")
+    out.print(_tree(payload))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from gpukit._ckpt_io import SAFETENSORS, suffix_format
+    from gpukit._ckpt_keys import find_state_dict
+    from gpukit.checkpoint import save
+
+    fmt = suffix_format(args.output)
+    raw = _read(args.input, args.trust)
+    obj: object = raw.content
+    if args.weights_only or fmt == SAFETENSORS:
+        try:
+            state, container = find_state_dict(raw.content)
+        except LookupError as exc:
+            raise CheckpointError(
+                f"{args.input} holds no model weights to convert: {exc}.",
+                hint="Convert it to .pt, which keeps anything torch.save wrote.",
+            ) from None
+        others = [k for k in raw.content if k != container] if container is not None else []
+        if others and not args.weights_only:
+            shown = ", ".join(repr(k) for k in others[:6])
+            raise CheckpointError(
+                f"{args.input} holds {shown} besides the weights under {container!r}, and "
+                f"{args.output.name} (safetensors) can hold only tensors.",
+                hint="Pass --weights-only to keep just the weights, or convert to .pt to keep "
+                "everything.",
+            )
+        obj = state
+    source = {"converted_from": args.input.name, "source_devices": raw.source_devices}
+    prefixes = _prefixes(obj)
+    save(obj, args.output, metadata=source)
+    removed = f"; removed {', '.join(prefixes)}" if prefixes else ""
+    console().print(f"wrote {args.output} ({fmt}{removed}; tensors on cpu)")
+    return 0
+
+
+def _prefixes(obj: object) -> list[str]:
+    from gpukit._ckpt_keys import clean_keys, find_state_dict
+
+    try:
+        state, _ = find_state_dict(obj)
+    except LookupError:
+        return []
+    return clean_keys(state)[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gpukit ckpt show`` or ``gpukit ckpt convert``."""
+    if args.action == "show":
+        return _show(args)
+    return _convert(args)
