@@ -98,9 +98,10 @@ class _Search:
             self.tries.append((size, False))
             _free_between_tries()
             return False
+        # No collection after a try that fits: its tensors went with fn's frame, and the CUDA
+        # allocator reuses its cached blocks (and releases them itself before it reports OOM).
         log.info("batch size %d: fits", size)
         self.tries.append((size, True))
-        _free_between_tries()
         return True
 
 
@@ -117,8 +118,9 @@ def find_batch_size(
     ``fn`` runs one representative step (forward, backward, optimizer step) at the given size.
     Sizes grow from ``start`` by ``growth`` until the first out-of-memory error, then bisect
     down to the largest size that fits; if ``start`` itself does not fit, the search bisects
-    between ``floor`` and ``start``. No size below ``floor`` is tried. Memory is freed between
-    tries and each try is logged on the ``gpukit.memory`` logger.
+    between ``floor`` and ``start``. No size below ``floor`` is tried. After each out-of-memory
+    try, garbage is collected and the CUDA cache emptied, so the failed try's tensors do not
+    count against the next; each try is logged on the ``gpukit.memory`` logger.
 
     Out of memory means ``torch.OutOfMemoryError`` or a RuntimeError with a known
     out-of-memory message (see :func:`is_out_of_memory`); any other error from ``fn`` is
