@@ -167,6 +167,10 @@ def check_devices(module: nn.Module, *args: Any, **kwargs: Any) -> dict[torch.de
             f"{target} before the call, e.g. gk.to_device(batch, {str(target)!r})."
             + _meta_hint(target)
         )
+    elif not state_devs:
+        hint = (
+            "Move every input to the device the computation should run on, e.g. with gk.to_device."
+        )
     else:
         target = max(state_devs, key=lambda d: len(state_devs[d]))
         hint = (
