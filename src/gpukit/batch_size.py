@@ -1,0 +1,203 @@
+"""Find the largest batch size that fits in memory: ``gk.find_batch_size``.
+
+The search grows from ``start`` (doubling by default) until the first out-of-memory error, then
+bisects between the largest size that ran and the smallest that did not. Under the usual
+assumption that a size which fits means every smaller size fits too, the result is the largest
+size that fits, found in about ``2 * log2(answer / start)`` tries; shrinking by a fixed factor
+from a guess (accelerate's ``find_executable_batch_size``) stops at the first size that happens
+to fit instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+
+from gpukit.errors import InvalidArgumentError, MemoryProbeError
+
+__all__ = ["find_batch_size", "is_out_of_memory"]
+
+log = logging.getLogger("gpukit.memory")
+
+# RuntimeError messages that mean "too big for memory" from code paths that do not raise
+# torch.OutOfMemoryError: older builds, other backends, and cuDNN/cuBLAS failing to get
+# workspace for a large batch.
+_OOM_MESSAGES = (
+    "out of memory",
+    "MPS backend out of memory",
+    "DefaultCPUAllocator: can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+)
+_OOM_TYPES: tuple[type[BaseException], ...] = tuple(
+    {getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError}
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` means "not enough memory": ``torch.OutOfMemoryError`` or a known message."""
+    if isinstance(exc, _OOM_TYPES):
+        return True
+    if isinstance(exc, RuntimeError) and exc.args and isinstance(exc.args[0], str):
+        return any(message in exc.args[0] for message in _OOM_MESSAGES)
+    return False
+
+
+def _free_between_tries() -> None:
+    gc.collect()
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+
+
+def _check_size(name: str, value: object, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"{name}={value!r} is not a batch size: it must be a whole number of at least "
+            f"{minimum}.",
+            hint=f"Pass {name} as an int >= {minimum}.",
+        )
+    return value
+
+
+def _agree(size: int) -> int:
+    """The smallest size any process found, when torch.distributed runs; else ``size``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return size
+    backend = str(dist.get_backend())
+    dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
+    value = torch.tensor([size], dtype=torch.int64, device=dev)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())
+
+
+class _Search:
+    """One search: runs the tries and remembers their outcome."""
+
+    def __init__(self, fn: Callable[[int], object]) -> None:
+        self.fn = fn
+        self.tries: list[tuple[int, bool]] = []
+
+    def fits(self, size: int) -> bool:
+        try:
+            self.fn(size)
+        except BaseException as exc:
+            if not is_out_of_memory(exc):
+                raise
+            # Log only the first line: the message, not the traceback, whose frames would keep
+            # the failed try's tensors alive until the next collection.
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            del exc
+            log.info("batch size %d: out of memory (%s)", size, message[:200])
+            self.tries.append((size, False))
+            _free_between_tries()
+            return False
+        # No collection after a try that fits: its tensors went with fn's frame, and the CUDA
+        # allocator reuses its cached blocks (and releases them itself before it reports OOM).
+        log.info("batch size %d: fits", size)
+        self.tries.append((size, True))
+        return True
+
+
+def find_batch_size(
+    fn: Callable[[int], object],
+    *,
+    start: int = 1,
+    maximum: int,
+    floor: int = 1,
+    growth: float = 2.0,
+) -> int:
+    """The largest batch size in ``[floor, maximum]`` for which ``fn(batch_size)`` runs.
+
+    ``fn`` runs one representative step (forward, backward, optimizer step) at the given size.
+    Sizes grow from ``start`` by ``growth`` until the first out-of-memory error, then bisect
+    down to the largest size that fits; if ``start`` itself does not fit, the search bisects
+    between ``floor`` and ``start``. No size below ``floor`` is tried. After each out-of-memory
+    try, garbage is collected and the CUDA cache emptied, so the failed try's tensors do not
+    count against the next; each try is logged on the ``gpukit.memory`` logger.
+
+    Out of memory means ``torch.OutOfMemoryError`` or a RuntimeError with a known
+    out-of-memory message (see :func:`is_out_of_memory`); any other error from ``fn`` is
+    re-raised as it is. When torch.distributed is initialised, every process must call this,
+    and all return the smallest size any of them found; ``fn`` itself must then not use
+    collectives, since processes may try different sizes.
+
+    Raises :class:`~gpukit.errors.MemoryProbeError` when not even ``floor`` fits.
+
+    >>> def step(n: int) -> None:
+    ...     if n > 48:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory. (a simulated limit)")
+    >>> find_batch_size(step, start=8, maximum=1024)
+    48
+    """
+    if not callable(fn):
+        raise InvalidArgumentError(
+            f"fn={fn!r} is not callable.", hint="Pass a function that takes the batch size."
+        )
+    floor = _check_size("floor", floor)
+    start = _check_size("start", start)
+    maximum = _check_size("maximum", maximum)
+    if not floor <= start <= maximum:
+        raise InvalidArgumentError(
+            f"find_batch_size needs floor <= start <= maximum, but got floor={floor}, "
+            f"start={start}, maximum={maximum}.",
+            hint="Lower start, or raise maximum.",
+        )
+    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth > 1:
+        raise InvalidArgumentError(
+            f"growth={growth!r} would not grow the batch size.",
+            hint="Pass a factor above 1, such as 2.",
+        )
+    search = _Search(fn)
+    try:
+        found: int | None = _search(
+            search, start=start, maximum=maximum, floor=floor, growth=float(growth)
+        )
+    except MemoryProbeError:
+        found = None
+    # Every process reaches the all-reduce, even one that found nothing (it sends 0), so no
+    # process waits forever on another that gave up.
+    agreed = _agree(found or 0)
+    if agreed == 0:
+        tried = ", ".join(f"{s} ({'fits' if ok else 'out of memory'})" for s, ok in search.tries)
+        raise MemoryProbeError(
+            f"No batch size from {floor} to {maximum} fits in memory"
+            + ("" if found is None else " on every process")
+            + f"; tried {tried or 'nothing here'}.",
+            hint="Lower floor, free memory (gk.memory_report() shows what holds it), or use "
+            "a smaller model, mixed precision or gradient accumulation.",
+        )
+    if agreed != found:
+        log.info("batch size %s here, %d agreed across processes", found, agreed)
+    return agreed
+
+
+def _search(search: _Search, *, start: int, maximum: int, floor: int, growth: float) -> int:
+    # Invariant: `good` fits (or is floor - 1, meaning nothing fits yet), `bad` does not fit
+    # (or is maximum + 1, meaning nothing has failed yet).
+    good, bad = floor - 1, maximum + 1
+    size = start
+    while True:
+        if search.fits(size):
+            good = size
+            if size == maximum:
+                return size
+            size = min(maximum, max(size + 1, math.ceil(size * growth)))
+        else:
+            bad = size
+            break
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if search.fits(mid):
+            good = mid
+        else:
+            bad = mid
+    if good < floor:
+        raise MemoryProbeError(f"batch size {floor} does not fit.")
+    return good

@@ -1,0 +1,180 @@
+"""find_batch_size: the largest fitting size, the floor, errors, and agreement across processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpukit as gk
+import gpukit.batch_size
+from gpukit.batch_size import is_out_of_memory
+from gpukit.errors import InvalidArgumentError, MemoryProbeError
+
+
+class SimulatedGpu:
+    """A step that runs out of memory above ``limit`` and records every size it was asked."""
+
+    def __init__(self, limit: int, *, error: type[BaseException] = torch.OutOfMemoryError) -> None:
+        self.limit = limit
+        self.error = error
+        self.tried: list[int] = []
+
+    def __call__(self, batch_size: int) -> None:
+        self.tried.append(batch_size)
+        if batch_size > self.limit:
+            raise self.error(f"CUDA out of memory. Tried to allocate {batch_size} (simulated).")
+
+
+@pytest.fixture(autouse=True)
+def frees(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the frees between tries instead of running a full garbage collection each time."""
+    calls: list[int] = []
+    monkeypatch.setattr(gpukit.batch_size, "_free_between_tries", lambda: calls.append(1))
+    return calls
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    limit=st.integers(1, 5000),
+    start=st.integers(1, 300),
+    extra=st.integers(0, 5000),
+)
+def test_find_batch_size_returns_exactly_the_largest_size_that_fits(
+    limit: int, start: int, extra: int
+) -> None:
+    maximum = start + extra
+    step = SimulatedGpu(limit)
+    assert gk.find_batch_size(step, start=start, maximum=maximum) == min(limit, maximum)
+
+
+@settings(max_examples=40, deadline=None)
+@given(limit=st.integers(1, 4000), start=st.integers(1, 64), floor=st.integers(1, 64))
+def test_find_batch_size_never_tries_below_the_floor(limit: int, start: int, floor: int) -> None:
+    step = SimulatedGpu(limit)
+    try:
+        gk.find_batch_size(step, start=max(start, floor), maximum=4096, floor=floor)
+    except MemoryProbeError:
+        assert limit < floor
+    assert min(step.tried) >= floor
+
+
+def test_find_batch_size_raises_memory_probe_error_when_the_floor_does_not_fit() -> None:
+    step = SimulatedGpu(limit=7)
+    with pytest.raises(MemoryProbeError, match="No batch size from 8 to 64"):
+        gk.find_batch_size(step, start=16, maximum=64, floor=8)
+    assert step.tried[-1] == 8
+
+
+def test_find_batch_size_frees_memory_after_every_out_of_memory_try(frees: list[int]) -> None:
+    step = SimulatedGpu(limit=10)
+    gk.find_batch_size(step, start=1, maximum=64)
+    assert len(frees) == sum(1 for size in step.tried if size > step.limit)
+
+
+def test_find_batch_size_keeps_no_failed_try_tensors_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the real freeing, not the counter
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    def step(batch_size: int) -> None:
+        activations = torch.empty(batch_size)
+        alive.append(weakref.ref(activations))
+        if batch_size > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. (simulated)")
+
+    assert gk.find_batch_size(step, start=2, maximum=4) == 2
+    assert all(ref() is None for ref in alive)
+
+
+def test_find_batch_size_uses_few_tries_for_a_large_range() -> None:
+    step = SimulatedGpu(limit=3000)
+    assert gk.find_batch_size(step, start=1, maximum=1 << 20) == 3000
+    # 13 doublings to pass 3000, then a bisection of the gap (2048, 4096): about 24 tries.
+    assert len(step.tried) <= 2 * 12 + 2
+
+
+def test_find_batch_size_reraises_other_errors_untouched() -> None:
+    boom = ValueError("shape mismatch in my model")
+
+    def step(batch_size: int) -> None:
+        if batch_size > 4:
+            raise boom
+
+    with pytest.raises(ValueError, match="shape mismatch") as info:
+        gk.find_batch_size(step, start=1, maximum=64)
+    assert info.value is boom
+
+
+def test_find_batch_size_treats_known_out_of_memory_runtime_errors_as_out_of_memory() -> None:
+    step = SimulatedGpu(limit=20, error=RuntimeError)
+    assert gk.find_batch_size(step, start=1, maximum=100) == 20
+
+
+def test_a_runtime_error_without_an_out_of_memory_message_is_not_out_of_memory() -> None:
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
+
+
+def test_find_batch_size_logs_each_try(caplog: pytest.LogCaptureFixture) -> None:
+    step = SimulatedGpu(limit=5)
+    with caplog.at_level(logging.INFO, logger="gpukit.memory"):
+        gk.find_batch_size(step, start=1, maximum=16)
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == len(step.tried)
+    assert any("batch size 8: out of memory" in m for m in logged)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"start": -1, "maximum": 8}, "start=-1"),
+        ({"start": 0, "maximum": 8}, "start=0"),
+        ({"start": 16, "maximum": 8}, "floor <= start <= maximum"),
+        ({"start": 2, "maximum": 8, "floor": 4}, "floor <= start <= maximum"),
+        ({"start": 1, "maximum": 8, "growth": 1.0}, "growth"),
+        ({"start": 1.5, "maximum": 8}, "start=1.5"),
+        ({"start": True, "maximum": 8}, "start=True"),
+    ],
+)
+def test_find_batch_size_rejects_nonsense_arguments(kwargs: dict, fragment: str) -> None:
+    step = SimulatedGpu(limit=100)
+    with pytest.raises(InvalidArgumentError, match=fragment.replace("(", r"\(")):
+        gk.find_batch_size(step, **kwargs)
+    assert step.tried == []
+
+
+def test_find_batch_size_rejects_a_function_that_is_not_callable() -> None:
+    with pytest.raises(InvalidArgumentError, match="not callable"):
+        gk.find_batch_size(42, start=1, maximum=8)  # type: ignore[arg-type]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, limits: list[int], results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=len(limits))
+    try:
+        results[rank] = gk.find_batch_size(SimulatedGpu(limits[rank]), start=1, maximum=1024)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_find_batch_size_makes_every_process_agree_on_the_smallest_size() -> None:
+    limits = [300, 123]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(_free_port(), limits, results), nprocs=2, join=True)
+        assert dict(results) == {0: 123, 1: 123}
