@@ -117,6 +117,9 @@ class GatherError(ParallelError):
 class CheckpointError(GpukitError, RuntimeError):
     """A checkpoint that cannot be read, written, or loaded into the given model."""
 
+    # A truncated, foreign or mismatched file is bad input, not a bug in gpukit.
+    exit_code = ExitCode.USAGE
+
 
 class UntrustedCheckpointError(CheckpointError):
     """A checkpoint that holds pickled code, refused because the caller did not trust it."""
