@@ -15,18 +15,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON report for programs")
 
 
-def collect() -> dict[str, Any]:
-    """The whole report: torch's view of the devices beside the driver's (NVML) view."""
+def collect() -> tuple[dict[str, Any], list[Any]]:
+    """The whole report (torch's view of the devices beside the driver's) and memory reports."""
     from gpukit.errors import NoDriverError, NvmlError
     from gpukit.inventory import inventory
     from gpukit.sysinfo import system_info
 
     info = system_info()
+    reports = _memory_reports(info)
+    info["memory"] = [report.to_json() for report in reports]
     try:
         info["nvml"] = inventory().to_json()
     except (NoDriverError, NvmlError) as exc:
         info["nvml"] = {"available": False, "reason": str(exc)}
-    return info
+    return info, reports
+
+
+def _memory_reports(info: dict[str, Any]) -> list[Any]:
+    from gpukit.memory import memory_report
+
+    devices = ["cpu"] + [f"cuda:{d['index']}" for d in info["cuda"]["devices"]]
+    return [memory_report(device, top=5) for device in devices]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,11 +45,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"gpukit info: reading a fake machine from {fake} (GPUKIT_FAKE_NVML).", file=sys.stderr
         )
-    info = collect()
+    info, memory = collect()
     if args.json:
         print_json(info)
         return 0
     _render(info)
+    for report in memory:
+        console().print(f"\n{report}", markup=False)
     return 0
 
 
