@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from gpukit.checkpoint import load, save
-from gpukit.devices import DeviceLike, try_all_gpus
 from gpukit.devices import device as parse_device
+from gpukit.devices import try_all_gpus
 from gpukit.errors import InvalidArgumentError
 from gpukit.parallel.data_parallel import DataParallel
 from gpukit.repro import seed_everything
@@ -235,10 +235,11 @@ def _train(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            total += float(loss) * len(idx)
+            value = loss.item()
+            total += value * len(idx)
             elapsed = time.perf_counter() - start
             done = epoch * len(y_train) + min((step + 1) * config.batch_size, len(y_train))
-            emit(DemoEvent("step", {"loss": float(loss), "samples_per_second": done / elapsed}))
+            emit(DemoEvent("step", {"loss": value, "samples_per_second": done / elapsed}))
         losses.append(total / len(y_train))
         accuracies.append(_accuracy(model.module, x_test, y_test))
         emit(DemoEvent("epoch", {"epoch": epoch + 1, "loss": losses[-1], "acc": accuracies[-1]}))
@@ -246,7 +247,9 @@ def _train(
     accuracy = accuracies[-1]
     reloaded, prefixes, path = _save_and_reload(model, config, emit)
     reloaded_accuracy = _accuracy(reloaded, x_test, y_test)
-    emit(DemoEvent("reloaded", {"acc": reloaded_accuracy, "matches": reloaded_accuracy == accuracy}))
+    emit(
+        DemoEvent("reloaded", {"acc": reloaded_accuracy, "matches": reloaded_accuracy == accuracy})
+    )
     return DemoResult(
         devices=[str(d) for d in devices],
         epochs=config.epochs,

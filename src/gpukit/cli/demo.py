@@ -25,7 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=8, help="passes over the data (default 8)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples a step (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same result")
-    parser.add_argument("--save", metavar="FILE", help="keep the checkpoint here (.safetensors/.pt)")
+    parser.add_argument(
+        "--save", metavar="FILE", help="keep the checkpoint here (.safetensors/.pt)"
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary for programs")
 
 
@@ -35,9 +37,11 @@ def _devices(args: argparse.Namespace) -> tuple[str, ...] | None:
             raise InvalidArgumentError(
                 f"--replicas {args.replicas} must be at least 1.", hint="Try --replicas 4."
             )
-        return ("cpu",) * args.replicas
+        replicas: int = args.replicas
+        return ("cpu",) * replicas
     if args.devices:
-        return tuple(d.strip() for d in args.devices.split(",") if d.strip())
+        listed: str = args.devices
+        return tuple(d.strip() for d in listed.split(",") if d.strip())
     return None
 
 
