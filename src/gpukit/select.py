@@ -214,7 +214,7 @@ def _reasons(gpu: GPU, criteria: Criteria, holder: Holder | None) -> list[str]:
         if free is None:
             reasons.append("free memory unknown")
         elif free < criteria.min_free:
-            reasons.append(f"{_gib(free)} free < {_gib(criteria.min_free)}")
+            reasons.append(f"{max(free, 0) / 2**30:.1f} GiB free < {_gib(criteria.min_free)}")
     if criteria.max_util is not None:
         util = gpu.utilization_gpu
         if util is not None and util > criteria.max_util:
