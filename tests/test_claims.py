@@ -27,7 +27,7 @@ UUID_B = "GPU-00000000-0000-0000-0000-00000000000b"
 
 
 @pytest.fixture(autouse=True)
-def _locks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+def locks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     folder = tmp_path / "locks"
     monkeypatch.setenv("GPUKIT_LOCK_DIR", str(folder))
     monkeypatch.setenv("GPUKIT_FAKE_NVML", str(L4))
@@ -41,8 +41,11 @@ def _holder_process(uuid: str) -> subprocess.Popen[str]:
         f"c = claim([{uuid!r}], command='other job'); print('held', flush=True); time.sleep(60)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "held"
     return proc
 
 
@@ -50,7 +53,9 @@ def test_a_claim_records_who_holds_it_for_gpukit_list() -> None:
     with claim([UUID_A], command="python train.py"):
         holder = current_claims()[UUID_A]
     assert (holder.pid, holder.command) == (os.getpid(), "python train.py")
-    assert holder.user and holder.since and holder.since <= time.time()
+    assert holder.user
+    assert holder.since
+    assert holder.since <= time.time()
 
 
 def test_a_claimed_gpu_cannot_be_claimed_again_until_released() -> None:
@@ -94,19 +99,19 @@ def test_the_claim_of_a_killed_process_is_gone_at_once() -> None:
     assert claim([UUID_A]).held
 
 
-def test_a_record_left_without_a_lock_is_not_a_claim(_locks: Path) -> None:
-    _locks.mkdir(parents=True)
+def test_a_record_left_without_a_lock_is_not_a_claim(locks: Path) -> None:
+    locks.mkdir(parents=True)
     record = {"user": "ghost", "pid": 1, "host": "h", "command": "x", "since": 0}
-    (_locks / f"{UUID_A}.lock").write_text(json.dumps(record))
-    assert holder_of(_locks / f"{UUID_A}.lock") is None
+    (locks / f"{UUID_A}.lock").write_text(json.dumps(record))
+    assert holder_of(locks / f"{UUID_A}.lock") is None
     assert current_claims() == {}
 
 
-def test_the_lock_folder_and_files_are_writable_by_every_user(_locks: Path) -> None:
+def test_the_lock_folder_and_files_are_writable_by_every_user(locks: Path) -> None:
     claim([UUID_A]).release()
     folder_mode = stat.S_IMODE(lock_dir().stat().st_mode)
     assert folder_mode == 0o1777  # sticky: users cannot delete each other's files
-    assert stat.S_IMODE((_locks / f"{UUID_A}.lock").stat().st_mode) == 0o666
+    assert stat.S_IMODE((locks / f"{UUID_A}.lock").stat().st_mode) == 0o666
 
 
 def test_a_child_process_does_not_inherit_the_claim() -> None:
@@ -130,9 +135,14 @@ def test_waiters_are_counted_in_arrival_order_and_a_dead_one_is_skipped() -> Non
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     code = "from gpukit._waiting import Ticket; t = Ticket(); print('in', flush=True); input()"
     middle = subprocess.Popen(
-        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    assert middle.stdout is not None and middle.stdout.readline().strip() == "in"
+    assert middle.stdout is not None
+    assert middle.stdout.readline().strip() == "in"
     last = Ticket()
     assert (first.ahead(), last.ahead()) == (0, 2)
     middle.kill()
@@ -143,12 +153,12 @@ def test_waiters_are_counted_in_arrival_order_and_a_dead_one_is_skipped() -> Non
     last.close()
 
 
-def test_waiting_gives_up_after_the_timeout_and_leaves_no_ticket(_locks: Path) -> None:
+def test_waiting_gives_up_after_the_timeout_and_leaves_no_ticket(locks: Path) -> None:
     gpus = inventory().gpus
     with claim(gpus), pytest.raises(WaitTimeoutError) as info:
         wait_and_claim(1, Criteria.make(), timeout=0.2, poll=0.05)
     assert info.value.exit_code == 124
-    assert [p for p in (_locks / "queue").iterdir()] == []
+    assert [p for p in (locks / "queue").iterdir()] == []
 
 
 def test_waiting_fails_at_once_when_no_gpu_could_ever_qualify() -> None:
@@ -180,4 +190,6 @@ def test_waiting_reports_its_status() -> None:
     seen: list[str] = []
     with claim(inventory().gpus), pytest.raises(WaitTimeoutError):
         wait_and_claim(2, Criteria.make(), timeout=0.1, poll=0.05, on_status=seen.append)
-    assert seen and "waiting for 2 GPUs" in seen[0] and "0 of 4 qualify" in seen[0]
+    assert seen
+    assert "waiting for 2 GPUs" in seen[0]
+    assert "0 of 4 qualify" in seen[0]

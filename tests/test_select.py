@@ -50,14 +50,13 @@ def test_pick_returns_only_qualifying_gpus_most_free_first_or_explains_every_rej
     verdicts = assess(inv, Criteria.make(**criteria), {})  # type: ignore[arg-type]
     qualifying = {v.gpu.index for v in verdicts if v.ok}
     for n in range(1, len(inv.gpus) + 2):
-        try:
-            chosen = pick(n, inventory=inv, claims={}, **criteria)  # type: ignore[arg-type]
-        except NoGpuAvailableError as exc:
-            assert len(qualifying) < n
-            for v in verdicts:
-                if not v.ok:
-                    assert f"GPU {v.gpu.index}: " in exc.message
+        if len(qualifying) < n:
+            with pytest.raises(NoGpuAvailableError) as info:
+                pick(n, inventory=inv, claims={}, **criteria)  # type: ignore[arg-type]
+            rejected = [v.gpu.index for v in verdicts if not v.ok]
+            assert all(f"GPU {i}: " in info.value.message for i in rejected)
             continue
+        chosen = pick(n, inventory=inv, claims={}, **criteria)  # type: ignore[arg-type]
         assert len(chosen) == n
         assert {g.index for g in chosen} <= qualifying
         frees = [g.memory_free or 0 for g in chosen]
@@ -76,7 +75,8 @@ def test_pick_counts_a_gpu_whose_memory_is_held_at_zero_utilisation_as_busy(
 ) -> None:
     inv = _machine(monkeypatch, A100)
     bob = inv.gpu(3)
-    assert bob.utilization_gpu == 0 and bob.processes
+    assert bob.utilization_gpu == 0
+    assert bob.processes
     with pytest.raises(NoGpuAvailableError) as info:
         pick(3, inventory=inv, claims={})
     assert "GPU 3: 1 process (bob, jupyter-kernel)" in info.value.message
@@ -118,9 +118,9 @@ def test_pick_excludes_gpus_by_index_and_by_uuid_prefix(monkeypatch: pytest.Monk
     inv = _machine(monkeypatch, A100)
     assert [g.index for g in pick(1, exclude=[2], inventory=inv, claims={})] == [4]
     prefix = inv.gpu(4).uuid[:12]
-    assert [g.index for g in pick(1, exclude=[2, prefix], min_free=1, inventory=inv, claims={})] == [
-        7
-    ]
+    assert [
+        g.index for g in pick(1, exclude=[2, prefix], min_free=1, inventory=inv, claims={})
+    ] == [7]
 
 
 def test_pick_never_chooses_a_gpu_in_mig_mode(monkeypatch: pytest.MonkeyPatch) -> None:

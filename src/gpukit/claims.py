@@ -198,7 +198,10 @@ def _record(command: str | None) -> bytes:
 
 
 class Claim:
-    """GPUs held by this process until :meth:`release` (or the end of a ``with`` block, or exit).
+    """GPUs held by this process until :meth:`release`, the end of a ``with`` block, or exit.
+
+    Dropping the object does not release the GPUs: ``gk.claim(gpus)`` on its own line holds
+    them for the rest of the process, as a reader of that line expects.
 
     The lock descriptors are close-on-exec: a child process does not inherit the claim, so the
     claim ends when this process ends, even if a child lives on.
@@ -242,10 +245,6 @@ class Claim:
         tb: TracebackType | None,
     ) -> None:
         self.release()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.release()
 
     def __repr__(self) -> str:
         state = "held" if self.held else "released"
