@@ -3,6 +3,7 @@ waiters served one GPU each in arrival order, nothing left claimed after a crash
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import ROOT, CliRunner
 from gpukit.claims import claim, current_claims
-from gpukit.cli.run import ddp_command
+from gpukit.cli.run import _Status, ddp_command
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
 L4 = MACHINES / "server-4xL4-idle.json"
@@ -217,7 +218,9 @@ def test_kill_9_of_gpukit_also_stops_its_command(locks: Path, tmp_path: Path) ->
 
 def test_waiters_are_served_in_arrival_order(locks: Path, tmp_path: Path) -> None:
     log = tmp_path / "order"
-    held = claim(_l4_uuids(), folder=locks)
+    uuids = _l4_uuids()
+    others = claim(uuids[1:], folder=locks)  # one GPU for all: they must take turns
+    held = claim(uuids[:1], folder=locks)
     waiters = []
     for name in ("first", "second", "third"):
         note = f"open({str(log)!r}, 'a').write('{name}\\n')"
@@ -228,6 +231,7 @@ def test_waiters_are_served_in_arrival_order(locks: Path, tmp_path: Path) -> Non
     for proc in waiters:
         proc.communicate(timeout=30)
         assert proc.returncode == 0
+    others.release()
     assert log.read_text().split() == ["first", "second", "third"]
 
 
@@ -292,3 +296,32 @@ def test_gpukit_run_itself_never_imports_torch(locks: Path) -> None:
     )
     done = subprocess.run(_py(code), env=_env(locks), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_wait_status_is_one_live_line_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    status = _Status()
+    status("waiting for 1 GPU: 0 of 4 qualify")
+    status("waiting for 1 GPU: 0 of 4 qualify")
+    assert terminal.getvalue().count("\r\033[K") == 2
+    assert "\n" not in terminal.getvalue()
+
+
+def test_the_wait_status_in_a_log_is_a_plain_line_per_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    status = _Status()
+    for text in ("0 of 4 qualify", "0 of 4 qualify", "1 of 4 qualify"):
+        status(text)
+    assert log.getvalue().splitlines() == [
+        "gpukit run: 0 of 4 qualify",
+        "gpukit run: 1 of 4 qualify",
+    ]
