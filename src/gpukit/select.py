@@ -1,0 +1,337 @@
+"""Choosing GPUs by criteria: free memory, utilisation, processes, claims by other gpukit users.
+
+>>> import gpukit as gk
+>>> [g.index for g in gk.pick(2)]                          # doctest: +SKIP
+[2, 4]
+>>> gk.pick(1, min_free="60GiB", max_util=10)              # doctest: +SKIP
+Traceback (most recent call last):
+NoGpuAvailableError: Asked for 1 GPU(s) with at least 60 GiB free, at most 10% busy: ...
+  GPU 3: 41.5 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)
+
+Without criteria a GPU qualifies only when it is idle: no process holds memory on it. A GPU at
+0 % utilisation whose memory a process holds is *busy* (an open notebook, a paused run), the
+case that pickers reading only utilisation get wrong. Give ``min_free`` to share GPUs by memory
+(processes then do not count unless ``max_processes`` is also given). GPUs claimed by another
+gpukit process (:func:`gpukit.claims.claim`) are taken, even before their job allocates memory.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from gpukit.claims import Claim, Holder, claim, current_claims
+from gpukit.errors import InvalidArgumentError, NoGpuAvailableError
+from gpukit.inventory import GPU, Inventory
+
+__all__ = [
+    "Claim",
+    "Criteria",
+    "Verdict",
+    "assess",
+    "best_first",
+    "choose",
+    "claim",
+    "current_claims",
+    "parse_size",
+    "pick",
+]
+
+Order = Literal["free", "index", "util"]
+ORDERS: tuple[str, ...] = ("free", "index", "util")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gib": 2**30,
+    "t": 2**40,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from a number of bytes or a size such as ``"8GiB"``, ``"500MB"``, ``"1.5G"``.
+
+    ``KB/MB/GB/TB`` are powers of 1000, ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` powers of
+    1024 (as nvidia-smi's MiB).
+
+    >>> parse_size("8GiB"), parse_size("500MB"), parse_size(1024)
+    (8589934592, 500000000, 1024)
+    """
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{value!r} is not a size.", hint='Use bytes or e.g. "8GiB".')
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        match = _SIZE.match(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise InvalidArgumentError(
+                f"Cannot read {value!r} as a memory size.",
+                hint='Write a number of bytes or a size with a unit, e.g. "8GiB", "500MB".',
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if number < 0:
+        raise InvalidArgumentError(f"A memory size cannot be negative ({value!r}).")
+    return int(number * _UNITS[unit])
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n % 2**30 else f"{n // 2**30} GiB"
+
+
+def _processes(gpu: GPU) -> str:
+    count = len(gpu.processes)
+    who = "; ".join(f"{p.user or '?'}, {(p.command or '?')[:30]}" for p in gpu.processes[:3])
+    more = "; ..." if count > 3 else ""
+    return f"{count} process{'es' if count != 1 else ''} ({who}{more})"
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """What a GPU must satisfy to be picked (see :func:`pick` for the meaning of each)."""
+
+    min_free: int | None = None
+    max_util: int | None = None
+    max_processes: int | None = None
+    exclude: tuple[int | str, ...] = ()
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        min_free: int | float | str | None = None,
+        max_util: float | None = None,
+        max_processes: int | None = None,
+        exclude: Iterable[int | str] = (),
+    ) -> Criteria:
+        """Criteria from user values, checked: sizes parsed, bounds in range."""
+        if max_util is not None and not 0 <= max_util <= 100:
+            raise InvalidArgumentError(
+                f"max_util={max_util} is not a percentage.", hint="Use a value from 0 to 100."
+            )
+        if max_processes is not None and max_processes < 0:
+            raise InvalidArgumentError(
+                f"max_processes={max_processes} is negative.", hint="Use 0 or more."
+            )
+        excluded = tuple(exclude)
+        for item in excluded:
+            if not isinstance(item, (int, str)) or isinstance(item, bool):
+                raise InvalidArgumentError(
+                    f"Cannot exclude {item!r}: not an NVML index or a UUID.",
+                    hint="Exclude GPUs by their `gpukit list` index or GPU- UUID.",
+                )
+        return cls(
+            min_free=None if min_free is None else parse_size(min_free),
+            max_util=None if max_util is None else int(max_util),
+            max_processes=max_processes,
+            exclude=excluded,
+        )
+
+    @property
+    def process_limit(self) -> int | None:
+        """The process limit in force: 0 (idle GPUs only) unless memory or a limit was given."""
+        if self.max_processes is None and self.min_free is None:
+            return 0
+        return self.max_processes
+
+    def describe(self) -> str:
+        """``'at least 60 GiB free, at most 10% busy'``, for messages."""
+        parts = []
+        if self.min_free is not None:
+            parts.append(f"at least {_gib(self.min_free)} free")
+        if self.max_util is not None:
+            parts.append(f"at most {self.max_util}% busy")
+        limit = self.process_limit
+        if limit == 0:
+            parts.append("no process on it")
+        elif limit is not None:
+            parts.append(f"at most {limit} process(es)")
+        if self.exclude:
+            parts.append(f"not {', '.join(map(str, self.exclude))}")
+        return ", ".join(parts)
+
+    def excludes(self, gpu: GPU) -> bool:
+        """True when ``gpu`` is excluded by index, UUID, or a prefix of its UUID."""
+        return any(
+            (isinstance(e, int) and e == gpu.index)
+            or (isinstance(e, str) and (e == str(gpu.index) or (e and gpu.uuid.startswith(e))))
+            for e in self.exclude
+        )
+
+    def could_ever_qualify(self, gpu: GPU) -> bool:
+        """True unless ``gpu`` fails for a reason that waiting cannot change."""
+        if self.excludes(gpu) or gpu.mig_mode:
+            return False
+        total = gpu.memory_total
+        return self.min_free is None or total is None or total >= self.min_free
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one GPU qualifies, and if not, why."""
+
+    gpu: GPU
+    reasons: tuple[str, ...]
+    claimed_by: Holder | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the GPU qualifies."""
+        return not self.reasons
+
+    def explain(self) -> str:
+        """``'GPU 3: 41.5 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)'``."""
+        text = "; ".join(self.reasons) if self.reasons else "qualifies"
+        if self.gpu.processes and not any("process" in r for r in self.reasons):
+            text += f"; {_processes(self.gpu)}"
+        return f"GPU {self.gpu.index}: {text}"
+
+
+def _reasons(gpu: GPU, criteria: Criteria, holder: Holder | None) -> list[str]:
+    if criteria.excludes(gpu):
+        return ["excluded"]
+    if gpu.mig_mode:
+        return ["in MIG mode (use one of its MIG instances by UUID in CUDA_VISIBLE_DEVICES)"]
+    reasons = []
+    if holder is not None:
+        reasons.append(f"claimed by {holder.describe()}")
+    if criteria.min_free is not None:
+        free = gpu.memory_free
+        if free is None:
+            reasons.append("free memory unknown")
+        elif free < criteria.min_free:
+            reasons.append(f"{max(free, 0) / 2**30:.1f} GiB free < {_gib(criteria.min_free)}")
+    if criteria.max_util is not None:
+        util = gpu.utilization_gpu
+        if util is not None and util > criteria.max_util:
+            reasons.append(f"{util}% busy > {criteria.max_util}%")
+    limit = criteria.process_limit
+    if limit is not None and len(gpu.processes) > limit:
+        reasons.append(_processes(gpu) + ("" if limit == 0 else f" > {limit}"))
+    return reasons
+
+
+def assess(
+    inv: Inventory, criteria: Criteria, claims: Mapping[str, Holder] | None = None
+) -> list[Verdict]:
+    """A verdict for every GPU of ``inv``, in NVML order. Pure: reads nothing."""
+    claims = claims or {}
+    return [
+        Verdict(g, tuple(_reasons(g, criteria, claims.get(g.uuid))), claims.get(g.uuid))
+        for g in inv.gpus
+    ]
+
+
+def _sort_key(order: str, gpu: GPU) -> tuple[int, ...]:
+    if order == "free":
+        return (-(gpu.memory_free or 0), gpu.index)
+    if order == "util":
+        return (gpu.utilization_gpu or 0, len(gpu.processes), -(gpu.memory_free or 0), gpu.index)
+    return (gpu.index,)
+
+
+def best_first(gpus: Iterable[GPU], order: str = "free") -> list[GPU]:
+    """``gpus`` sorted best first: most free memory (``"free"``), least busy, or by index."""
+    return sorted(gpus, key=lambda g: _sort_key(order, g))
+
+
+def choose(
+    inv: Inventory,
+    n: int,
+    criteria: Criteria,
+    *,
+    order: str = "free",
+    claims: Mapping[str, Holder] | None = None,
+) -> list[GPU]:
+    """The ``n`` best qualifying GPUs of ``inv``, or NoGpuAvailableError. Pure: reads nothing."""
+    if order not in ORDERS:
+        raise InvalidArgumentError(
+            f"order={order!r} is not an order gpukit knows.", hint=f"Use one of {ORDERS}."
+        )
+    if n < 1:
+        raise InvalidArgumentError(f"Cannot pick {n} GPUs.", hint="Ask for 1 or more.")
+    verdicts = assess(inv, criteria, claims)
+    good = best_first((v.gpu for v in verdicts if v.ok), order)
+    if len(good) >= n:
+        return good[:n]
+    raise no_gpu_error(inv, n, criteria, verdicts)
+
+
+def no_gpu_error(
+    inv: Inventory, n: int, criteria: Criteria, verdicts: list[Verdict]
+) -> NoGpuAvailableError:
+    """The error for too few qualifying GPUs, explaining each GPU's rejection."""
+    wanted = f"{n} GPU{'s' if n != 1 else ''}" + (
+        f" with {criteria.describe()}" if criteria.describe() else ""
+    )
+    found = sum(v.ok for v in verdicts)
+    rejected = "".join(f"\n  {v.explain()}" for v in verdicts if not v.ok)
+    if not inv.gpus:
+        return NoGpuAvailableError(
+            f"Asked for {wanted}: the driver reports no GPU on this machine.",
+            hint="Check `nvidia-smi`.",
+        )
+    if len(inv.gpus) < n:
+        return NoGpuAvailableError(
+            f"Asked for {wanted}: this machine has {len(inv.gpus)}.{rejected}",
+            hint=f"Ask for at most {len(inv.gpus)}.",
+        )
+    possible = sum(criteria.could_ever_qualify(g) for g in inv.gpus)
+    hint = "Wait for them with `gpukit run --wait`, or relax the criteria"
+    if possible < n:
+        hint = f"Waiting cannot help: only {possible} could ever qualify; relax the criteria"
+    if criteria.process_limit == 0 and any(v.gpu.processes for v in verdicts):
+        hint += " (--min-free SIZE or --max-processes N shares a GPU with its processes)"
+    return NoGpuAvailableError(
+        f"Asked for {wanted}: {found} of {len(inv.gpus)} qualif{'y' if found != 1 else 'ies'}."
+        f"{rejected}",
+        hint=hint + ".",
+    )
+
+
+def pick(
+    n: int = 1,
+    *,
+    min_free: int | float | str | None = None,
+    max_util: float | None = None,
+    max_processes: int | None = None,
+    exclude: Iterable[int | str] = (),
+    order: Order = "free",
+    inventory: Inventory | None = None,
+    claims: Mapping[str, Holder] | None = None,
+) -> list[GPU]:
+    """Choose ``n`` GPUs that meet the criteria, best first (most free memory, by default).
+
+    ``min_free``: bytes or a size (``"8GiB"``); ``max_util``: percent; ``max_processes``: how
+    many processes may already hold memory on it (default 0, or no limit when ``min_free`` is
+    given); ``exclude``: NVML indices or UUIDs; ``order``: ``"free"``, ``"util"`` or ``"index"``.
+    GPUs claimed by other gpukit processes never qualify. ``inventory`` and ``claims`` default to
+    the machine's readings now. Raises NoGpuAvailableError explaining each rejection.
+
+    >>> gpus = pick(2, min_free="20GiB")                  # doctest: +SKIP
+    >>> with claim(gpus): ...                             # doctest: +SKIP
+    """
+    criteria = Criteria.make(
+        min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
+    )
+    if inventory is None:
+        from gpukit.inventory import inventory as read_inventory
+
+        inventory = read_inventory()
+    if claims is None:
+        claims = current_claims()
+    return choose(inventory, n, criteria, order=order, claims=claims)
