@@ -169,3 +169,22 @@ def test_watch_json_prints_a_reading_per_interval_until_interrupted(machines_dir
     readings = [json.loads(line) for line in lines]
     assert all(r["schema"] == SCHEMA for r in readings)
     assert readings[0]["taken_at"] < readings[2]["taken_at"]
+
+
+def test_list_shows_who_has_claimed_each_gpu(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path
+) -> None:
+    from gpukit.claims import claim
+
+    machine = str(machines_dir / "server-4xL4-idle.json")
+    env = {"GPUKIT_FAKE_NVML": machine, "GPUKIT_LOCK_DIR": str(tmp_path), "NO_COLOR": "1"}
+    uuid = json.loads(run_cli("list", "--json", env=env).stdout)["gpus"][1]["uuid"]
+    with claim([uuid], command="python train.py", folder=tmp_path):
+        table = run_cli("list", env=env).stdout
+        claims = json.loads(run_cli("list", "--json", env=env).stdout)["claims"]
+    assert "claimed by" in table
+    row = next(line for line in table.splitlines() if line.strip().startswith("1 "))
+    assert "python train.py" in row
+    assert claims[uuid]["command"] == "python train.py"
+    after = run_cli("list", env=env).stdout
+    assert "claimed by" not in after

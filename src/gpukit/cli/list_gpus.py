@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.table import Table
 
+    from gpukit.claims import Holder
+
 _BAR_WIDTH = 10
 
 
@@ -38,8 +40,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _claims() -> dict[str, Holder]:
+    """Claims held right now by gpukit users on this machine, by GPU UUID."""
+    from gpukit.claims import current_claims
+
+    return current_claims()
+
+
 def _payload(inv: Inventory, view: VisibleDevices) -> dict[str, Any]:
-    return {**inv.to_json(), "visible": view.to_json()}
+    claims = {uuid: holder.to_json() for uuid, holder in _claims().items()}
+    return {**inv.to_json(), "visible": view.to_json(), "claims": claims}
 
 
 def _bar(used: int | None, total: int | None) -> str:
@@ -185,7 +195,9 @@ def _render(inv: Inventory, view: VisibleDevices) -> RenderableType:
     )
     if view.restricted:
         head.append(f" · CUDA_VISIBLE_DEVICES={view.env}")
-    parts: list[RenderableType] = [head, build_table(inv, view)]
+    held = _claims()
+    claims = {uuid: holder.describe() for uuid, holder in held.items()} if held else None
+    parts: list[RenderableType] = [head, build_table(inv, view, claims=claims)]
     parts.extend(Text(f"note: {w}", style="yellow") for w in view.warnings)
     return Group(*parts)
 
