@@ -32,6 +32,14 @@ def test_save_removes_stacked_data_parallel_wrappers(tmp_path: Path):
     assert list(torch.load(tmp_path / "m.pt", weights_only=True)) == _expected_keys()
 
 
+def test_save_removes_gpukit_data_parallel_around_a_compiled_model(tmp_path: Path):
+    wrapped = gk.DataParallel(torch.compile(_net()), device_ids=["cpu"] * 2)
+    gk.save(wrapped, tmp_path / "m.pt")
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert list(state) == _expected_keys()
+    assert state._gpukit_metadata["wrappers_removed"] == ["DataParallel", "OptimizedModule"]
+
+
 def test_save_removes_torch_compile_around_data_parallel(tmp_path: Path):
     compiled = torch.compile(nn.DataParallel(_net()))
     gk.save(compiled, tmp_path / "m.safetensors")
