@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CliRunner
 from gpukit.claims import claim
 from gpukit.inventory import inventory
+from tests.conftest import CliRunner
 
 
 def _env(machines_dir: Path, tmp_path: Path, machine: str) -> dict[str, str | None]:

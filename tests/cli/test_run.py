@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, CliRunner
 from gpukit.claims import claim, current_claims
 from gpukit.cli.run import _Status, ddp_command
+from tests.conftest import ROOT, CliRunner
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
 L4 = MACHINES / "server-4xL4-idle.json"
