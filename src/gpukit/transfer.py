@@ -27,46 +27,33 @@ KeyPath = tuple[Any, ...]
 __all__ = ["to_device"]
 
 
-class _Mover:
-    """One ``to_device`` call's settings, and the recursive walk over them."""
+class _Walker:
+    """Rebuild a nested structure, handing each tensor to :meth:`tensor`.
 
-    __slots__ = ("_nb", "_pin", "_skip_names", "_skip_paths", "_target", "_target_is_cuda")
+    Containers (dict and other mappings, list, tuple, namedtuple, dataclass) are walked and
+    rebuilt only when something inside changed; every other object goes to :meth:`opaque`.
+    ``to_device`` moves tensors with it; ``gk.parallel.scatter`` splits them.
+    """
+
+    __slots__ = ("_skip_names", "_skip_paths")
 
     def __init__(
-        self,
-        target: torch.device,
-        non_blocking: bool | Literal["auto"],
-        pin: bool,
-        skip_names: frozenset[Any],
-        skip_paths: frozenset[KeyPath],
+        self, skip_names: frozenset[Any] = frozenset(), skip_paths: frozenset[KeyPath] = frozenset()
     ) -> None:
-        self._target = target
-        self._target_is_cuda = target.type == "cuda"
-        self._nb = non_blocking
-        self._pin = pin and self._target_is_cuda
         self._skip_names = skip_names
         self._skip_paths = skip_paths
 
-    # -- leaves ---------------------------------------------------------------------------
-    def tensor(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device == self._target:
-            return t
-        if self._pin and t.device.type == "cpu" and not t.is_pinned():
-            t = t.pin_memory()
-        if self._nb == "auto":
-            # Non-blocking is only safe and useful from pinned host memory to a GPU: the host
-            # buffer stays alive and CUDA orders the copy before later kernels on the stream.
-            # Device-to-host non-blocking copies can be read before they finish.
-            nb = self._target_is_cuda and t.device.type == "cpu" and t.is_pinned()
-        else:
-            nb = self._nb
-        return t.to(self._target, non_blocking=nb)
+    # -- leaves: what subclasses change ---------------------------------------------------
+    def tensor(self, t: torch.Tensor, path: KeyPath | None) -> Any:
+        raise NotImplementedError
+
+    def opaque(self, obj: Any) -> Any:
+        """A leaf that is neither a tensor nor a container: kept as it is."""
+        return obj
 
     def other(self, obj: Any, path: KeyPath | None) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self.tensor(obj)
-        if isinstance(obj, nn.Module):
-            return obj.to(self._target)
+        if isinstance(obj, torch.Tensor):  # Parameter and other subclasses
+            return self.tensor(obj, path)
         if isinstance(obj, Mapping):
             return self.mapping(obj, path)
         if isinstance(obj, tuple):
@@ -75,13 +62,7 @@ class _Mover:
             return self.list_(obj, path)
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             return self.dataclass(obj, path)
-        to = getattr(obj, "to", None)
-        if callable(to) and not isinstance(obj, type):
-            try:
-                return to(self._target, non_blocking=self._nb is True)
-            except TypeError:  # a .to() that takes only the device
-                return to(self._target)
-        return obj
+        return self.opaque(obj)
 
     # -- walking --------------------------------------------------------------------------
     def _skipped(self, key: Any, path: KeyPath | None) -> bool:
@@ -92,7 +73,7 @@ class _Mover:
     def walk(self, obj: Any, path: KeyPath | None) -> Any:
         kind = type(obj)
         if kind is _Tensor:
-            return self.tensor(obj)
+            return self.tensor(obj, path)
         if kind is dict:
             return self.mapping(obj, path)
         if kind is list:
@@ -171,6 +152,51 @@ class _Mover:
         for name, value in changed.items():
             object.__setattr__(new, name, value)
         return new
+
+
+class _Mover(_Walker):
+    """One ``to_device`` call: its settings, and how it moves a tensor or a module."""
+
+    __slots__ = ("_nb", "_pin", "_target", "_target_is_cuda")
+
+    def __init__(
+        self,
+        target: torch.device,
+        non_blocking: bool | Literal["auto"],
+        pin: bool,
+        skip_names: frozenset[Any],
+        skip_paths: frozenset[KeyPath],
+    ) -> None:
+        super().__init__(skip_names, skip_paths)
+        self._target = target
+        self._target_is_cuda = target.type == "cuda"
+        self._nb = non_blocking
+        self._pin = pin and self._target_is_cuda
+
+    def tensor(self, t: torch.Tensor, path: KeyPath | None) -> torch.Tensor:
+        if t.device == self._target:
+            return t
+        if self._pin and t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        if self._nb == "auto":
+            # Non-blocking is only safe and useful from pinned host memory to a GPU: the host
+            # buffer stays alive and CUDA orders the copy before later kernels on the stream.
+            # Device-to-host non-blocking copies can be read before they finish.
+            nb = self._target_is_cuda and t.device.type == "cpu" and t.is_pinned()
+        else:
+            nb = self._nb
+        return t.to(self._target, non_blocking=nb)
+
+    def opaque(self, obj: Any) -> Any:
+        if isinstance(obj, nn.Module):
+            return obj.to(self._target)
+        to = getattr(obj, "to", None)
+        if callable(to) and not isinstance(obj, type):
+            try:
+                return to(self._target, non_blocking=self._nb is True)
+            except TypeError:  # a .to() that takes only the device
+                return to(self._target)
+        return obj
 
 
 @functools.cache

@@ -8,43 +8,30 @@ with a ``.to`` method included) is kept as it is, because a replica receives it 
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gpukit.transfer import KeyPath, _Mover
+from gpukit.transfer import KeyPath, _Walker
 
 TensorFn = Callable[[torch.Tensor, KeyPath | None], Any]
 
 
-class _TensorMap(_Mover):
-    """``to_device``'s walk, applying ``leaf(tensor, path)`` to every tensor instead of a move."""
+class _TensorMap(_Walker):
+    """``to_device``'s walk, applying ``leaf(tensor, path)`` to every tensor instead of a move.
+
+    Every other leaf, modules and objects with a ``.to`` method included, is kept as it is.
+    """
 
     __slots__ = ("_leaf",)
 
     def __init__(self, leaf: TensorFn) -> None:
-        super().__init__(torch.device("cpu"), False, False, frozenset(), frozenset())
+        super().__init__()
         self._leaf = leaf
 
-    def walk(self, obj: Any, path: KeyPath | None) -> Any:
-        if type(obj) is torch.Tensor:
-            return self._leaf(obj, path)
-        return super().walk(obj, path)
-
-    def other(self, obj: Any, path: KeyPath | None) -> Any:
-        if isinstance(obj, torch.Tensor):  # Parameter and other subclasses
-            return self._leaf(obj, path)
-        if isinstance(obj, Mapping):
-            return self.mapping(obj, path)
-        if isinstance(obj, tuple):
-            return self.tuple_(obj, path)
-        if isinstance(obj, list):
-            return self.list_(obj, path)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return self.dataclass(obj, path)
-        return obj
+    def tensor(self, t: torch.Tensor, path: KeyPath | None) -> Any:
+        return self._leaf(t, path)
 
 
 def map_tensors(obj: Any, leaf: TensorFn, *, with_paths: bool = False) -> Any:

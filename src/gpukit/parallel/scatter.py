@@ -106,7 +106,7 @@ def scatter(
     sizes = chunk_sizes(total, len(targets), min_chunk=min_chunk)
     movers = [_Mover(t, "auto", False, frozenset(), frozenset()) for t in targets[: len(sizes)]]
     if len(sizes) == 1:
-        return [map_tensors(inputs, lambda t, _: movers[0].tensor(t))]
+        return [map_tensors(inputs, lambda t, path: movers[0].tensor(t, path))]
     out: list[T] = []
     # Split each tensor once, on first use, rather than once per device.
     splits: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -116,7 +116,7 @@ def scatter(
             parts = splits.get(id(t))
             if parts is None:
                 parts = splits[id(t)] = torch.split(t, sizes, dim)
-            return movers[index].tensor(parts[index])
+            return movers[index].tensor(parts[index], None)
 
         return leaf
 
