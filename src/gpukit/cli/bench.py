@@ -54,8 +54,9 @@ def print_results(results: Sequence[BenchResult]) -> None:
         ratio = r.ratio
         mark = ""
         if r.note:
-            notes.append(r.note)
-            mark = f" [{len(notes)}]"
+            if r.note not in notes:
+                notes.append(r.note)
+            mark = f" [{notes.index(r.note) + 1}]"
         table.add_row(
             r.suite,
             r.name + mark,
