@@ -61,11 +61,12 @@ def run(quick: bool = False) -> list[BenchResult]:
     cores = os.cpu_count() or 1
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     model = f"MLP {_IN}-{width}-{width}-10, {batch} samples per process per step, {steps} steps"
-    results = []
-    for label, one_threads, two_threads in (
+    configurations = [
         ("one core per process", 1, 1),
         (f"{cores} cores split between the processes", cores, max(1, cores // 2)),
-    ):
+    ]
+    results = []
+    for label, one_threads, two_threads in configurations[: 1 if quick else 2]:
         one = dist.launch(_train, 1, steps, batch, width, one_threads)[0]
         two = dist.launch(_train, 2, steps, batch, width, two_threads)[0]
         results.append(

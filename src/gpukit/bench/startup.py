@@ -103,7 +103,7 @@ def run(quick: bool = False) -> list[BenchResult]:
         if _available("gpustat"):
             candidates["gpustat"] = _command([py, "-m", "gpustat"], env)
         exit_codes = {name: fn() for name, fn in candidates.items()}
-        times = compare(candidates, repeat=3 if quick else 11, warmup=1)
+        times = compare(candidates, repeat=1 if quick else 11, warmup=0 if quick else 1)
     return _results(times, exit_codes)
 
 
