@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import CliRunner
 
@@ -29,3 +32,16 @@ def test_unknown_suite_is_a_usage_error(run_cli: CliRunner) -> None:
     result = run_cli("bench", "--only", "nope")
     assert result.returncode == 2
     assert "unknown suite nope" in result.stderr
+
+
+def test_a_suite_whose_alternative_is_missing_is_skipped_with_a_note(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpukit.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "accelerate.utils", None)
+    assert main(["bench", "--only", "batch_size", "--quick"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped batch_size: accelerate" in err
+    assert "pip install 'gpukit[bench]'" in err

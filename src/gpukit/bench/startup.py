@@ -8,6 +8,7 @@ A fake 8-GPU machine (GPUKIT_FAKE_NVML) adds the cost of reading and rendering G
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -98,13 +99,23 @@ def run(quick: bool = False) -> list[BenchResult]:
             "python -c pass": _command([py, "-c", "pass"], env),
             _TORCH: _command([py, "-c", "import torch"], env),
         }
-        if _available("nvitop"):
-            candidates["nvitop -1"] = _command([py, "-m", "nvitop", "-1"], env)
-        if _available("gpustat"):
-            candidates["gpustat"] = _command([py, "-m", "gpustat"], env)
+        missing = []
+        for tool, args in (("nvitop", ["-1"]), ("gpustat", [])):
+            if _available(tool):
+                candidates[" ".join([tool, *args])] = _command([py, "-m", tool, *args], env)
+            else:
+                missing.append(tool)
         exit_codes = {name: fn() for name, fn in candidates.items()}
         times = compare(candidates, repeat=1 if quick else 11, warmup=0 if quick else 1)
-    return _results(times, exit_codes)
+    results = _results(times, exit_codes)
+    if missing:
+        note = (
+            f"{' and '.join(missing)} not installed, so not measured (pip install 'gpukit[bench]')"
+        )
+        results = [
+            dataclasses.replace(r, note=f"{r.note}; {note}" if r.note else note) for r in results
+        ]
+    return results
 
 
 def _results(times: dict[str, float], exit_codes: dict[str, object]) -> list[BenchResult]:

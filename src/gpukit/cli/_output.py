@@ -23,7 +23,9 @@ def console(*, stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     # A log or a pipe has no width: don't fold tables to rich's 80-column default there.
     width = None if stream.isatty() or "COLUMNS" in os.environ else 160
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
+    # markup off: what gpukit prints is data (paths, commands, metadata) in which a "[...]"
+    # must show as written, never be read as a style.
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width, markup=False)
 
 
 def print_json(payload: dict[str, Any]) -> None:

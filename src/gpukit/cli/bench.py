@@ -69,7 +69,7 @@ def print_results(results: Sequence[BenchResult]) -> None:
     out = console()
     out.print(table)
     for i, note in enumerate(notes, 1):
-        out.print(f"[{i}] {note}", markup=False)
+        out.print(f"[{i}] {note}")
 
 
 def _plot(results: Sequence[BenchResult], path: str) -> None:
@@ -124,7 +124,13 @@ def run(args: argparse.Namespace) -> int:
                 if reason:
                     skipped.append(f"{name}: {reason}")
                 else:
-                    results.extend(module.run(quick=args.quick))
+                    try:
+                        results.extend(module.run(quick=args.quick))
+                    except ImportError as exc:  # an alternative to measure against is missing
+                        missing = exc.name or str(exc)
+                        skipped.append(
+                            f"{name}: {missing} is not installed (pip install 'gpukit[bench]')"
+                        )
             progress.advance(task)
     print_results(results)
     for line in skipped:

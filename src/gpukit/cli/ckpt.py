@@ -121,9 +121,12 @@ def _payload(raw: RawCheckpoint) -> dict[str, Any]:
 
 
 def _tree(payload: dict[str, Any]) -> Tree:
+    from rich.text import Text
     from rich.tree import Tree
 
-    root = Tree(f"[bold]{Path(payload['path']).name}[/] ({payload['parameter_count']:,} params)")
+    # Text objects, not markup strings: a key may well contain "[...]".
+    name = Path(payload["path"]).name
+    root = Tree(Text.assemble((name, "bold"), f" ({payload['parameter_count']:,} params)"))
     nodes: dict[str, Tree] = {"": root}
     totals: dict[str, int] = {}
     for row in payload["tensors"]:
@@ -136,11 +139,15 @@ def _tree(payload: dict[str, Any]) -> Tree:
         for depth in range(1, len(parts)):
             name = ".".join(parts[:depth])
             if name not in nodes:
-                nodes[name] = nodes[parent].add(f"{parts[depth - 1]} ({totals[name]:,} params)")
+                label = Text(f"{parts[depth - 1]} ({totals[name]:,} params)")
+                nodes[name] = nodes[parent].add(label)
             parent = name
         device = row["device"] or "n/a"
         nodes[parent].add(
-            f"{parts[-1]}  {row['shape']}  {row['dtype']}  {device}  [dim]{row['numel']:,}[/]"
+            Text.assemble(
+                f"{parts[-1]}  {row['shape']}  {row['dtype']}  {device}  ",
+                (f"{row['numel']:,}", "dim"),
+            )
         )
     return root
 

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _render(info)
     for report in memory:
-        console().print(f"\n{report}", markup=False)
+        console().print(f"\n{report}")
     return 0
 
 
