@@ -203,3 +203,17 @@ def test_launch_failure_names_the_rank_that_vanished_before_the_peer_that_lost_i
         "time": 1.0, "error": "RuntimeError: Connection closed by peer", "traceback": "t"}))
     order = [rank for rank, _, _ in _failures({}, tmp_path)]
     assert order == [1, 0]
+
+
+def test_prepare_with_the_loader_in_the_optimizers_place_says_to_pass_it_by_keyword() -> None:
+    with pytest.raises(InvalidArgumentError, match="DataLoader as its optimizer") as info:
+        dist.prepare(nn.Linear(1, 1), _ids_loader(8), per_device_batch_size=2)  # type: ignore[call-overload]
+    assert "loader=loader" in str(info.value)
+
+
+@pytest.mark.parametrize("args", [("model",), (None,), (nn.Linear(1, 1), None, [1, 2])])
+def test_prepare_refuses_objects_that_are_not_a_model_optimizer_or_loader(
+    args: tuple[object, ...],
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="where it needs a torch"):
+        dist.prepare(*args, per_device_batch_size=2)  # type: ignore[call-overload]
