@@ -246,3 +246,9 @@ def test_batch_sizes_that_are_not_whole_numbers_are_refused(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match="is not a batch size"):
         per_device_size(2, per_device, global_)  # type: ignore[arg-type]
+
+
+def test_launch_refuses_a_function_spawned_processes_cannot_receive() -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot send") as info:
+        dist.launch(lambda: 1, 1)
+    assert "top level of an importable module" in str(info.value)
