@@ -94,6 +94,26 @@ def test_find_batch_size_keeps_no_failed_try_tensors_alive(monkeypatch: pytest.M
     assert all(ref() is None for ref in alive)
 
 
+def test_find_batch_size_frees_a_failed_try_before_the_next_try_even_in_a_reference_cycle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.undo()  # the real freeing, not the counter
+    failed: list[weakref.ref[torch.Tensor]] = []
+    alive_at_start: list[bool] = []
+
+    def step(batch_size: int) -> None:
+        alive_at_start.append(any(ref() is not None for ref in failed))
+        holder: dict[str, object] = {"activations": torch.empty(batch_size)}
+        holder["self"] = holder  # a cycle, as closures, hooks and kept exceptions make
+        if batch_size > 2:
+            failed.append(weakref.ref(holder["activations"]))  # type: ignore[arg-type]
+            raise torch.OutOfMemoryError("CUDA out of memory. (simulated)")
+
+    gk.find_batch_size(step, start=2, maximum=16)
+    assert len(failed) >= 2
+    assert not any(alive_at_start)
+
+
 def test_find_batch_size_uses_few_tries_for_a_large_range() -> None:
     step = SimulatedGpu(limit=3000)
     assert gk.find_batch_size(step, start=1, maximum=1 << 20) == 3000
@@ -140,6 +160,7 @@ def test_find_batch_size_logs_each_try(caplog: pytest.LogCaptureFixture) -> None
         ({"start": 16, "maximum": 8}, "floor <= start <= maximum"),
         ({"start": 2, "maximum": 8, "floor": 4}, "floor <= start <= maximum"),
         ({"start": 1, "maximum": 8, "growth": 1.0}, "growth"),
+        ({"start": 1, "maximum": 8, "growth": float("inf")}, "growth=inf"),
         ({"start": 1.5, "maximum": 8}, "start=1.5"),
         ({"start": True, "maximum": 8}, "start=True"),
     ],

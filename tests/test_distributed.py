@@ -203,3 +203,52 @@ def test_launch_failure_names_the_rank_that_vanished_before_the_peer_that_lost_i
         "time": 1.0, "error": "RuntimeError: Connection closed by peer", "traceback": "t"}))
     order = [rank for rank, _, _ in _failures({}, tmp_path)]
     assert order == [1, 0]
+
+
+def test_prepare_with_the_loader_in_the_optimizers_place_says_to_pass_it_by_keyword() -> None:
+    with pytest.raises(InvalidArgumentError, match="DataLoader as its optimizer") as info:
+        dist.prepare(nn.Linear(1, 1), _ids_loader(8), per_device_batch_size=2)  # type: ignore[call-overload]
+    assert "loader=loader" in str(info.value)
+
+
+@pytest.mark.parametrize("args", [("model",), (None,), (nn.Linear(1, 1), None, [1, 2])])
+def test_prepare_refuses_objects_that_are_not_a_model_optimizer_or_loader(
+    args: tuple[object, ...],
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="where it needs a torch"):
+        dist.prepare(*args, per_device_batch_size=2)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({**TORCHRUN, "LOCAL_RANK": "abc"}, "LOCAL_RANK"),
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "x",
+          "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, "SLURM_LOCALID"),
+    ],
+)
+def test_read_env_names_a_local_rank_variable_that_is_not_an_integer(
+    env: dict[str, str], name: str
+) -> None:
+    with pytest.raises(DistributedError, match=f"{name}=.* is not an integer"):
+        read_env(env)
+
+
+def test_prepare_given_both_batch_sizes_says_both_even_when_one_is_zero() -> None:
+    with pytest.raises(InvalidArgumentError, match="both per_device_batch_size"):
+        per_device_size(2, 0, 8)
+
+
+@pytest.mark.parametrize(("per_device", "global_"), [(3.5, None), (None, 8.0), (True, None)])
+def test_batch_sizes_that_are_not_whole_numbers_are_refused(
+    per_device: float | None, global_: float | None
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="is not a batch size"):
+        per_device_size(2, per_device, global_)  # type: ignore[arg-type]
+
+
+def test_launch_refuses_a_function_spawned_processes_cannot_receive() -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot send") as info:
+        dist.launch(lambda: 1, 1)
+    assert "top level of an importable module" in str(info.value)

@@ -10,7 +10,7 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.doctor import is_device_mismatch
-from gpukit.errors import DeviceMismatchError
+from gpukit.errors import DeviceMismatchError, InvalidArgumentError
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -209,3 +209,8 @@ def test_is_device_mismatch_recognises_cuda_and_meta_messages() -> None:
         RuntimeError("Tensor on device cpu is not on the expected device meta!")
     )
     assert not is_device_mismatch(RuntimeError("CUDA out of memory."))
+
+
+def test_check_devices_refuses_something_that_is_not_a_module() -> None:
+    with pytest.raises(InvalidArgumentError, match="not a function"):
+        gk.check_devices(lambda x: x, torch.ones(2))  # type: ignore[arg-type]

@@ -54,11 +54,19 @@ def per_device_size(
     if (per_device_batch_size is None) == (global_batch_size is None):
         raise InvalidArgumentError(
             "prepare() got a loader and "
-            + ("both per_device_batch_size and global_batch_size." if per_device_batch_size
+            + ("both per_device_batch_size and global_batch_size."
+               if per_device_batch_size is not None
                else "neither per_device_batch_size nor global_batch_size."),
             hint="Pass exactly one: per_device_batch_size=B (each process loads B, the step sees "
             "B x world size) or global_batch_size=G (the step sees G whatever the world size).",
         )
+    for name, value in (("per_device_batch_size", per_device_batch_size),
+                        ("global_batch_size", global_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidArgumentError(
+                f"{name}={value!r} is not a batch size.",
+                hint="Pass a whole number of samples (an int).",
+            )
     if global_batch_size is not None:
         if global_batch_size < 1 or global_batch_size % world_size:
             raise InvalidArgumentError(

@@ -37,8 +37,8 @@ class LaunchEnv:
 _SINGLE = LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, source=None)
 
 
-def _int(env: Mapping[str, str], name: str, source: str) -> int:
-    raw = env.get(name)
+def _int(env: Mapping[str, str], name: str, source: str, default: int | None = None) -> int:
+    raw = env.get(name) or (None if default is None else str(default))
     if raw is None:
         raise DistributedError(
             f"{source} started this process without {name} in the environment.",
@@ -99,8 +99,8 @@ def read_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         launch = LaunchEnv(
             rank=_int(env, "RANK", "The launcher"),
             world_size=world,
-            local_rank=int(env.get("LOCAL_RANK", "0") or 0),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", "0") or 0) or world,
+            local_rank=_int(env, "LOCAL_RANK", "The launcher", 0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", "The launcher", 0) or world,
             source="torchrun",
         )
         return _check(launch, env)
@@ -112,7 +112,7 @@ def read_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         launch = LaunchEnv(
             rank=_int(env, "SLURM_PROCID", "srun"),
             world_size=world,
-            local_rank=int(env.get("SLURM_LOCALID", "0") or 0),
+            local_rank=_int(env, "SLURM_LOCALID", "srun", 0),
             local_world_size=_slurm_tasks_per_node(env) or world,
             source="slurm",
         )

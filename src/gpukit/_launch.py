@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -110,6 +111,20 @@ def _failures(failed: dict[int, Any], reports: Path) -> list[tuple[int, str, str
     return [(rank, _short(text), trace) for rank, (_, _, text, trace) in ordered]
 
 
+def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...], start_method: str) -> None:
+    # Spawned workers receive fn and args by pickle; a lambda or a nested function would
+    # otherwise fail deep inside multiprocessing with "Can't pickle local object".
+    try:
+        pickle.dumps((fn, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"launch() cannot send {getattr(fn, '__qualname__', fn)!r} or its arguments to "
+            f"{start_method}ed processes: {exc}.",
+            hint="Define fn at the top level of an importable module and pass picklable "
+            'arguments, or use start_method="fork" (Linux, before CUDA starts).',
+        ) from None
+
+
 def launch(
     fn: Callable[..., R],
     nprocs: int,
@@ -137,6 +152,8 @@ def launch(
             f"launch() was asked for nprocs={nprocs!r} processes.",
             hint="Pass a positive number of processes, e.g. launch(fn, 2).",
         )
+    if start_method != "fork":
+        _check_picklable(fn, args, start_method)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

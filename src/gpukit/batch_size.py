@@ -85,15 +85,18 @@ class _Search:
         self.tries: list[tuple[int, bool]] = []
 
     def fits(self, size: int) -> bool:
+        message: str | None = None
         try:
             self.fn(size)
         except BaseException as exc:
             if not is_out_of_memory(exc):
                 raise
-            # Log only the first line: the message, not the traceback, whose frames would keep
+            # Keep only the first line: the message, not the traceback, whose frames would keep
             # the failed try's tensors alive until the next collection.
             message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            del exc
+        if message is not None:
+            # Freed only here, after the except block: while it runs, the exception being
+            # handled still holds the failed try's frames, and with them its tensors.
             log.info("batch size %d: out of memory (%s)", size, message[:200])
             self.tries.append((size, False))
             _free_between_tries()
@@ -149,7 +152,11 @@ def find_batch_size(
             f"start={start}, maximum={maximum}.",
             hint="Lower start, or raise maximum.",
         )
-    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth > 1:
+    if (
+        isinstance(growth, bool)
+        or not isinstance(growth, (int, float))
+        or not 1 < growth < math.inf
+    ):
         raise InvalidArgumentError(
             f"growth={growth!r} would not grow the batch size.",
             hint="Pass a factor above 1, such as 2.",

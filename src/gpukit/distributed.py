@@ -37,7 +37,7 @@ from gpukit._dist_data import DistributedLoader, active_loader, per_device_size
 from gpukit._dist_env import LaunchEnv, read_env
 from gpukit._launch import free_port, launch
 from gpukit.devices import device as _auto_device
-from gpukit.errors import DistributedError
+from gpukit.errors import DistributedError, InvalidArgumentError
 from gpukit.transfer import to_device
 
 T = TypeVar("T")
@@ -309,6 +309,24 @@ def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, 
     return DistributedDataParallel(model, device_ids=ids, **ddp)
 
 
+def _check_objects(model: object, optimizer: object, loader: object) -> None:
+    """Refuse what prepare() cannot wire, above all a loader passed where the optimizer goes."""
+    for name, obj, kind, label in (
+        ("model", model, nn.Module, "torch.nn.Module"),
+        ("optimizer", optimizer, Optimizer, "torch.optim.Optimizer"),
+        ("loader", loader, DataLoader, "torch.utils.data.DataLoader"),
+    ):
+        if isinstance(obj, kind) or (obj is None and name != "model"):
+            continue
+        by_keyword = name == "optimizer" and isinstance(obj, DataLoader) and loader is None
+        raise InvalidArgumentError(
+            f"prepare() got a {type(obj).__name__} as its {name}, where it needs a {label}.",
+            hint="Pass the loader by keyword: prepare(model, loader=loader, ...)."
+            if by_keyword
+            else "Call prepare(model, optimizer=None, loader=None, ...) with those types.",
+        )
+
+
 def _prepare_optimizer(optimizer: Optimizer, ctx: DistributedContext) -> Optimizer:
     # The model was moved in place, so the optimizer's parameters are already right; only state
     # it holds (Adam's moments after a resume) must follow. "step" stays on the CPU, as torch
@@ -366,6 +384,7 @@ def prepare(
 
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
     """
+    _check_objects(model, optimizer, loader)
     ctx = _ready()
     out: list[Any] = [_prepare_model(model, ctx, ddp_kwargs or {})]
     if optimizer is not None:

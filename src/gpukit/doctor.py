@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from gpukit.errors import DeviceMismatchError
+from gpukit.errors import DeviceMismatchError, InvalidArgumentError
 
 __all__ = ["check_devices", "explain_device_errors", "is_device_mismatch"]
 
@@ -151,6 +151,12 @@ def check_devices(module: nn.Module, *args: Any, **kwargs: Any) -> dict[torch.de
     >>> check_devices(torch.nn.Linear(2, 2), torch.ones(1, 2))
     {device(type='cpu'): ['weight', 'bias', 'input']}
     """
+    if not isinstance(module, nn.Module):
+        raise InvalidArgumentError(
+            f"check_devices() needs the nn.Module about to be called, not a "
+            f"{type(module).__name__}.",
+            hint="Call it as gk.check_devices(model, *inputs, **kwargs).",
+        )
     state = list(_state(module))
     inputs = list(_named_inputs(module, args, kwargs))
     groups = _group(iter(state + inputs))
