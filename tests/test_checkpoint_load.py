@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.errors import CheckpointError, UntrustedCheckpointError
+from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
 
 
 def _net() -> nn.Sequential:
@@ -251,3 +251,9 @@ def test_trusted_file_needing_a_class_its_module_lacks_does_not_claim_corruption
     finally:
         globals()["Hyper"] = saved
     assert "corrupted" not in str(caught.value)
+
+
+def test_path_and_model_swapped_is_an_error_saying_which_comes_first(tmp_path: Path):
+    gk.save(_net(), tmp_path / "m.pt")
+    with pytest.raises(InvalidArgumentError, match=r"gk.load\(model, path\)"):
+        gk.load(tmp_path / "m.pt", _net())  # type: ignore[arg-type]
