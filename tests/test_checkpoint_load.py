@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.errors import CheckpointError, UntrustedCheckpointError
+from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
 
 
 def _net() -> nn.Sequential:
@@ -219,3 +221,39 @@ def test_report_carries_what_gk_save_recorded(tmp_path: Path):
     report = gk.load(_net(), tmp_path / "m.pt")
     assert report.metadata["wrappers_removed"] == ["DataParallel"]
     assert report.metadata["metadata"] == {"run": "a1"}
+
+
+def test_trusted_file_needing_a_module_this_python_lacks_is_a_checkpoint_error(tmp_path: Path):
+    # Save an object of a class from a package that exists only while saving.
+    package = types.ModuleType("no_such_training_package")
+
+    class Config:
+        pass
+
+    Config.__module__, Config.__qualname__ = package.__name__, "Config"
+    package.Config = Config  # type: ignore[attr-defined]
+    sys.modules[package.__name__] = package
+    try:
+        torch.save({"model": _net().state_dict(), "cfg": Config()}, tmp_path / "t.pt")
+    finally:
+        del sys.modules[package.__name__]
+    with pytest.raises(CheckpointError, match=r"need no_such_training_package.*cannot import"):
+        gk.load(_net(), tmp_path / "t.pt", trust=True)
+
+
+def test_trusted_file_needing_a_class_its_module_lacks_does_not_claim_corruption(tmp_path: Path):
+    torch.save({"model": _net().state_dict(), "hparams": Hyper(0.1)}, tmp_path / "t.pt")
+    saved = Hyper
+    del globals()["Hyper"]
+    try:
+        with pytest.raises(CheckpointError, match=r"Hyper .*cannot import") as caught:
+            gk.load(_net(), tmp_path / "t.pt", trust=True)
+    finally:
+        globals()["Hyper"] = saved
+    assert "corrupted" not in str(caught.value)
+
+
+def test_path_and_model_swapped_is_an_error_saying_which_comes_first(tmp_path: Path):
+    gk.save(_net(), tmp_path / "m.pt")
+    with pytest.raises(InvalidArgumentError, match=r"gk.load\(model, path\)"):
+        gk.load(tmp_path / "m.pt", _net())  # type: ignore[arg-type]

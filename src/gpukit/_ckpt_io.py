@@ -254,6 +254,19 @@ def _untrusted(path: Path, exc: Exception) -> UntrustedCheckpointError:
     )
 
 
+# pickle's message when a module lacks the class a file names: "Can't get attribute 'Net' on
+# <module '__main__' ...>".
+_MISSING_CLASS = re.compile(r"Can't get attribute '([\w.]+)' on <module '([\w.]+)'")
+
+
+def _missing_code(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} holds pickled objects that need {what}, which this Python cannot import.",
+        hint="Load it from a program that imports the code defining it (the training script's "
+        "package), then re-save the weights with gk.save to get a file that needs no code.",
+    )
+
+
 def _read_torch(
     path: Path, target: torch.device | None, trust: bool
 ) -> tuple[Any, _LocationRecorder]:
@@ -264,7 +277,18 @@ def _read_torch(
         if not trust and "Weights only load failed" in str(exc):
             raise _untrusted(path, exc) from None
         raise _unreadable(path, TORCH, exc) from None
-    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, OSError) as exc:
+    except ImportError as exc:
+        # A trusted pickle naming a module this Python lacks: the file is whole, the code is not.
+        raise _missing_code(path, exc.name or str(exc)) from None
+    except AttributeError as exc:
+        found = _MISSING_CLASS.search(str(exc))
+        if found is None:
+            raise _unreadable(path, TORCH, exc) from None
+        name, module = found.group(1), found.group(2)
+        # Classes of a script run as __main__ are looked up in whatever __main__ loads the file.
+        where = "the script that saved it" if module.endswith("__main__") else module
+        raise _missing_code(path, f"{name} (from {where})") from None
+    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as exc:
         raise _unreadable(path, TORCH, exc) from None
     return content, recorder
 

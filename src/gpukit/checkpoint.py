@@ -205,6 +205,11 @@ def load(
     >>> report = load(model, "run/last.pt")       # doctest: +SKIP
     >>> optimizer.load_state_dict(report.extras["optimizer"])  # doctest: +SKIP
     """
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(
+            f"gk.load loads into a model (an nn.Module), and was given a {type(model).__name__}.",
+            hint="Call gk.load(model, path): the model comes first, the file second.",
+        )
     inner, _ = unwrap(model)
     target = _target(inner, map_location)
     raw = read(Path(path), target=target, trust=trust)

@@ -90,3 +90,15 @@ def test_convert_to_pt_keeps_every_entry(tmp_path: Path, run_cli):
     loaded = torch.load(tmp_path / "clean.pt", weights_only=True)
     assert loaded["epoch"] == 5
     assert list(loaded["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_show_of_a_file_without_a_state_dict_lists_what_it_holds(tmp_path: Path, run_cli):
+    torch.save({"w": torch.zeros(2), "step": 3}, tmp_path / "loose.pt")
+    result = run_cli("ckpt", "show", str(tmp_path / "loose.pt"), "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["weights_found"] is False
+    assert payload["other_entries"] == {"w": "tensor [2]", "step": "3"}
+    human = run_cli("ckpt", "show", str(tmp_path / "loose.pt"), env={"NO_COLOR": "1"})
+    assert "no model weights found" in human.stdout
+    assert "w: tensor [2], step: 3" in human.stdout

@@ -93,13 +93,15 @@ def _describe(value: object) -> str:
 def _payload(raw: RawCheckpoint) -> dict[str, Any]:
     from gpukit._ckpt_keys import clean_keys, find_state_dict
 
+    found = True
     try:
         state, container = find_state_dict(raw.content)
     except LookupError:
-        state, container = {}, None
+        state, container, found = {}, None, False
     _, prefixes = clean_keys(state)
     others: dict[str, str] = {}
-    if container is not None and isinstance(raw.content, Mapping):
+    # Without weights, every top-level entry is "other": show what the file does hold.
+    if (container is not None or not found) and isinstance(raw.content, Mapping):
         others = {str(k): _describe(v) for k, v in raw.content.items() if k != container}
     rows = _tensor_rows(raw, state)
     return {
@@ -114,6 +116,7 @@ def _payload(raw: RawCheckpoint) -> dict[str, Any]:
         "wrappers": [_WRAPPER_OF[p] for p in prefixes if p in _WRAPPER_OF],
         "wrappers_removed_at_save": raw.metadata.get("wrappers_removed", []),
         "source_devices": raw.source_devices,
+        "weights_found": found,
         "tensor_count": len(rows),
         "parameter_count": sum(row["numel"] for row in rows),
         "tensors": rows,
@@ -153,7 +156,8 @@ def _tree(payload: dict[str, Any]) -> Tree:
 
 
 def _show(args: argparse.Namespace) -> int:
-    payload = _payload(_read(args.file, args.trust))
+    raw = _read(args.file, args.trust)
+    payload = _payload(raw)
     if args.json:
         print_json(payload)
         return 0
@@ -177,7 +181,11 @@ def _show(args: argparse.Namespace) -> int:
     if payload["prefixes"]:
         carried = ", ".join(f"{p} ({_WRAPPER_OF.get(p, 'a wrapper')})" for p in payload["prefixes"])
         out.print(f"keys carry {carried}: gk.load removes them; gpukit ckpt convert rewrites them")
-    if payload["container_key"] is not None:
+    if not payload["weights_found"]:
+        held = ", ".join(f"{k}: {v}" for k, v in payload["other_entries"].items())
+        what = f"its entries are {held}" if held else f"it holds a {type(raw.content).__name__}"
+        out.print(f"no model weights found (gk.load would refuse it): {what}")
+    elif payload["container_key"] is not None:
         others = ", ".join(f"{k}: {v}" for k, v in payload["other_entries"].items()) or "none"
         out.print(f"weights under {payload['container_key']!r}; other entries: {others}")
     out.print(_tree(payload))
