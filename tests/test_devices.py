@@ -168,3 +168,21 @@ def test_asking_about_devices_does_not_start_cuda() -> None:
     )
     out = run_python(code)
     assert out.strip() == "False"
+
+
+def test_index_with_a_leading_zero_is_a_device_error() -> None:
+    with pytest.raises(DeviceError, match="not a device spec"):
+        gk.device("cuda:01")
+
+
+def test_upper_case_name_gets_the_lower_case_suggestion() -> None:
+    with pytest.raises(DeviceError, match='Did you mean "cpu"'):
+        gk.device("CPU")
+
+
+def test_device_list_refuses_a_single_string() -> None:
+    from gpukit.devices import device_list
+
+    with pytest.raises(DeviceError, match=r"a list of devices, not the single value 'cpu'"):
+        device_list("cpu")  # type: ignore[arg-type]
+    assert device_list(["cpu"] * 2) == [torch.device("cpu")] * 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from gpukit.errors import DeviceError, MixedDevicesError
 
 DeviceLike = torch.device | int | str
 
-_SPEC = re.compile(r"^(?P<type>cpu|cuda|mps)(?::(?P<index>\d+))?$")
+_SPEC = re.compile(r"^(?P<type>cpu|cuda|mps)(?::(?P<index>0|[1-9]\d*))?$")
 _SUGGESTIONS = {
     "gpu": "cuda",
     "gpu:0": "cuda:0",
@@ -28,7 +29,15 @@ _SUGGESTIONS = {
     "host": "cpu",
 }
 
-__all__ = ["DeviceLike", "device", "module_device", "placement", "try_all_gpus", "try_gpu"]
+__all__ = [
+    "DeviceLike",
+    "device",
+    "device_list",
+    "module_device",
+    "placement",
+    "try_all_gpus",
+    "try_gpu",
+]
 
 
 def _cuda_count() -> int:
@@ -124,13 +133,27 @@ def device(spec: DeviceLike = "auto") -> torch.device:
         return _auto()
     match = _SPEC.match(spec)
     if match is None or (match["type"] != "cuda" and match["index"] not in (None, "0")):
-        suggestion = _SUGGESTIONS.get(spec.strip().lower())
+        cleaned = spec.strip().lower()
+        suggestion = _SUGGESTIONS.get(cleaned) or (cleaned if _SPEC.match(cleaned) else None)
         hint = f'Did you mean "{suggestion}"? ' if suggestion else ""
         raise DeviceError(
             f"{spec!r} is not a device spec.",
             hint=hint + 'Use "cpu", "cuda", "cuda:N", "mps", or "auto".',
         )
     return _validated(torch.device(spec), repr(spec) if spec != spec.strip() else spec)
+
+
+def device_list(specs: Sequence[DeviceLike], *, what: str = "devices") -> list[torch.device]:
+    """Parse a list of device specs (``["cpu"] * 4``, ``[0, 1]``) with :func:`device`.
+
+    A bare string or device is refused rather than read one character at a time.
+    """
+    if isinstance(specs, (str, torch.device, int)):
+        raise DeviceError(
+            f"{what} must be a list of devices, not the single value {specs!r}.",
+            hint=f"Pass a list, for example [{specs!r}] or [{specs!r}] * 2.",
+        )
+    return [device(spec) for spec in specs]
 
 
 def try_gpu(i: int = 0) -> torch.device:

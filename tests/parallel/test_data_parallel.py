@@ -193,3 +193,10 @@ def test_gradients_on_cuda_equal_those_of_the_plain_module() -> None:
     wrapped(x, weight=weight).pow(2).mean().backward()
     for got, want in zip(_grads(wrapped.module), _grads(plain), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_a_bare_string_for_device_ids_is_refused_with_a_list_hint() -> None:
+    from gpukit.errors import DeviceError
+
+    with pytest.raises(DeviceError, match=r"device_ids must be a list"):
+        gk.DataParallel(torch.nn.Linear(2, 2), device_ids="cpu")  # type: ignore[arg-type]

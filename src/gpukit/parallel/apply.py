@@ -124,7 +124,8 @@ def parallel_apply(
         index = min(errors)
         exc = errors[index]
         where = targets[index] if targets[index] is not None else "an unknown device"
-        others = f" ({len(errors) - 1} other replicas failed too)" if len(errors) > 1 else ""
+        n = len(errors) - 1
+        others = f" ({n} other replica{'s' * (n != 1)} failed too)" if n else ""
         raise ReplicaError(
             f"replica {index} of {count} on {where} raised {type(exc).__name__}: {exc}{others}.",
             hint="The original traceback follows as the cause; run the module on that "

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit.devices import DeviceLike, module_device, try_all_gpus
+from gpukit.devices import DeviceLike, device_list, module_device, try_all_gpus
 from gpukit.devices import device as _parse_device
 from gpukit.errors import DeviceError, InvalidArgumentError
 from gpukit.parallel.apply import parallel_apply
@@ -64,7 +64,7 @@ class DataParallel(nn.Module):
         if device_ids is None:
             devices = try_all_gpus()
         else:
-            devices = [_parse_device(d) for d in device_ids]
+            devices = device_list(device_ids, what="device_ids")
             if not devices:
                 raise InvalidArgumentError(
                     "DataParallel was given an empty device_ids.",

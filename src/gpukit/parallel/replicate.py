@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit.devices import DeviceLike
-from gpukit.devices import device as _parse_device
+from gpukit.devices import DeviceLike, device_list
 from gpukit.errors import InvalidArgumentError
 
 __all__ = ["replicate"]
@@ -147,7 +146,7 @@ def _cache() -> weakref.WeakKeyDictionary[nn.Module, _ReplicaSet]:
 
 def replica_set(module: nn.Module, devices: Sequence[DeviceLike]) -> _ReplicaSet:
     """This thread's cached replicas of ``module`` on ``devices``, rebuilt if out of date."""
-    targets = tuple(_parse_device(d) for d in devices)
+    targets = tuple(device_list(devices))
     cache = _cache()
     found = cache.get(module)
     if found is None or found.devices != targets or not found.matches(module):

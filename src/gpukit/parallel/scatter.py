@@ -7,8 +7,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from gpukit.devices import DeviceLike
-from gpukit.devices import device as _parse_device
+from gpukit.devices import DeviceLike, device_list
 from gpukit.errors import InvalidArgumentError, ScatterError
 from gpukit.parallel._nested import format_path, map_tensors, tensors_with_paths
 from gpukit.transfer import KeyPath, _Mover
@@ -99,7 +98,7 @@ def scatter(
         raise InvalidArgumentError(
             "scatter was given no devices.", hint='Pass at least one, for example ["cpu"].'
         )
-    targets = [_parse_device(d) for d in devices]
+    targets = device_list(devices)
     total = _batch_size(inputs, dim)
     if total is None:
         return [inputs]
