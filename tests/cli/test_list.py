@@ -188,3 +188,16 @@ def test_list_shows_who_has_claimed_each_gpu(
     assert claims[uuid]["command"] == "python train.py"
     after = run_cli("list", env=env).stdout
     assert "claimed by" not in after
+
+
+def test_list_shows_a_command_line_with_brackets_as_it_is(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path
+) -> None:
+    machine = json.loads((machines_dir / "server-8xA100-shared.json").read_text())
+    command = "python train.py tags=[red] [/x]"
+    machine["gpus"][0]["processes"][0]["name"] = command
+    path = tmp_path / "brackets.json"
+    path.write_text(json.dumps(machine))
+    result = run_cli("list", env={"GPUKIT_FAKE_NVML": str(path), "GPUKIT_LOCK_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert command in result.stdout

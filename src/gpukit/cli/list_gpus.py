@@ -151,6 +151,7 @@ def build_table(
 ) -> Table:
     """The table of GPUs; ``claims`` (GPU UUID -> holder) adds a "claimed by" column."""
     from rich.table import Table
+    from rich.text import Text
 
     headers = [
         "GPU",
@@ -179,7 +180,9 @@ def build_table(
             overflow="ellipsis" if last else "fold",
         )
     for cells, style in rows:
-        table.add_row(*cells, style=style)
+        # Text, not markup: a command line such as `train.py tags=[/x]` is shown as it is
+        # (as a markup string it would vanish or raise, and any user can start such a process).
+        table.add_row(*(Text(cell) for cell in cells), style=style)
     return table
 
 
