@@ -201,3 +201,29 @@ def test_list_shows_a_command_line_with_brackets_as_it_is(
     result = run_cli("list", env={"GPUKIT_FAKE_NVML": str(path), "GPUKIT_LOCK_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert command in result.stdout
+
+
+@pytest.mark.parametrize(
+    "name", ["server-8xA100-shared", "server-2xH100-mig", "workstation-mixed-order"]
+)
+def test_list_keeps_every_gpu_index_on_an_80_column_terminal(
+    machines_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
+) -> None:
+    from rich.console import Console
+
+    from gpukit.cli.list_gpus import _read, _render
+
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(machines_dir / f"{name}.json"))
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    inv, view = _read()
+    out = Console(width=80, force_terminal=True, color_system=None, highlight=False)
+    with out.capture() as captured:
+        out.print(_render(inv, view))
+    text = captured.get().split("note:")[0]  # the notes below the table wrap, as prose does
+    lines = text.splitlines()
+    assert lines[1].split()[0] == "GPU"
+    gpu_rows = [line for line in lines[2:] if "└" not in line]
+    assert [row.split()[0] for row in gpu_rows] == [str(g.index) for g in inv.gpus]
+    assert all(len(line) <= 80 for line in lines)
