@@ -75,6 +75,19 @@ def test_run_returns_the_command_exit_code(run_cli: CliRunner, locks: Path) -> N
     assert done.returncode == 7
 
 
+def test_run_of_a_file_that_is_not_executable_exits_2_and_frees_the_gpu(
+    run_cli: CliRunner, locks: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    script.chmod(0o644)
+    done = run_cli("run", "--", str(script), env=dict(_env(locks)))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "python train.py" in done.stderr
+    assert current_claims(locks) == {}
+
+
 def test_run_returns_128_plus_n_when_a_signal_kills_the_command(
     run_cli: CliRunner, locks: Path
 ) -> None:

@@ -166,11 +166,17 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> int:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     try:
         proc = subprocess.Popen(list(argv), env=env, preexec_fn=_die_with_parent())
-    except FileNotFoundError as exc:
+    except OSError as exc:  # not found, not executable (chmod), a folder, not a program
         if synchronous:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        if isinstance(exc, FileNotFoundError):
+            raise InvalidArgumentError(
+                f"Cannot run {argv[0]!r}: no such program.", hint="Check the command after `--`."
+            ) from exc
         raise InvalidArgumentError(
-            f"Cannot run {argv[0]!r}: no such program.", hint="Check the command after `--`."
+            f"Cannot run {argv[0]!r}: {exc.strerror or exc}.",
+            hint="Check the command after `--`: make the file executable (chmod +x) or run it "
+            "with its interpreter, e.g. `-- python train.py`.",
         ) from exc
     if not synchronous:  # platforms without sigtimedwait: forward everything we receive
         for signum in _FORWARDED:
