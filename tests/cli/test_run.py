@@ -88,6 +88,15 @@ def test_run_of_a_file_that_is_not_executable_exits_2_and_frees_the_gpu(
     assert current_claims(locks) == {}
 
 
+@pytest.mark.parametrize("timeout", ["-1", "nan"])
+def test_run_refuses_a_timeout_that_is_not_a_duration_with_exit_2(
+    run_cli: CliRunner, locks: Path, timeout: str
+) -> None:
+    done = run_cli("run", "--timeout", timeout, "--", *_py("pass"), env=dict(_env(locks)))
+    assert done.returncode == 2, done.stderr
+    assert "--timeout" in done.stderr
+
+
 def test_run_returns_128_plus_n_when_a_signal_kills_the_command(
     run_cli: CliRunner, locks: Path
 ) -> None:

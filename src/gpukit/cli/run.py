@@ -218,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
             f"--settle {args.settle} --poll {args.poll}: both must be positive.",
             hint="Use e.g. --settle 3 --poll 2.",
         )
+    if args.timeout is not None and not args.timeout >= 0:  # also refuses nan
+        raise InvalidArgumentError(
+            f"--timeout {args.timeout:g} is not a number of seconds to wait.",
+            hint="Use 0 or more, e.g. --timeout 3600; leave it out to wait as long as it takes.",
+        )
     try:
         inv = inventory()
     except NoDriverError as exc:
