@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,13 +120,24 @@ def test_list_on_this_machine_without_nvidia_driver_exits_3(run_cli: CliRunner) 
     assert "Traceback" not in result.stderr
 
 
+def _colours(text: str) -> list[str]:
+    """The SGR colour codes in ``text`` (foreground/background; bold and dim are not colours)."""
+    return re.findall(r"\x1b\[(?:3[0-9]|4[0-9]|9[0-7])[0-9;]*m", text)
+
+
 def test_list_respects_no_color(run_cli: CliRunner, machines_dir: Path) -> None:
+    # FORCE_COLOR stands in for a terminal; the yellow CUDA-order note is the coloured part.
     env = {
-        **_fake(machines_dir, "kaggle-2xT4-idle"),
-        "NO_COLOR": "1",
-        "FORCE_COLOR": None,
+        **_fake(machines_dir, "workstation-mixed-order"),
+        "FORCE_COLOR": "1",
         "TERM": "xterm-256color",
     }
+    assert _colours(run_cli("list", env={**env, "NO_COLOR": None}).stdout)
+    assert _colours(run_cli("list", env={**env, "NO_COLOR": "1"}).stdout) == []
+
+
+def test_list_to_a_pipe_has_no_escape_codes(run_cli: CliRunner, machines_dir: Path) -> None:
+    env = {**_fake(machines_dir, "workstation-mixed-order"), "FORCE_COLOR": None, "NO_COLOR": None}
     assert "\x1b[" not in run_cli("list", env=env).stdout
 
 
