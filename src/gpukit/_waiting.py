@@ -139,8 +139,7 @@ def wait_and_claim(
                     late = (
                         f" {ahead} earlier waiter{'s' if ahead != 1 else ''} still in line."
                         if ahead
-                        else f" Only {len(ready)} qualified for {settle} polls in a row "
-                        "(--settle)."
+                        else f" Only {len(ready)} qualified for {settle} polls in a row (--settle)."
                     )
                 raise _timeout(n, criteria, timeout, inv, verdicts, late)
             left = None if timeout is None else timeout - waited

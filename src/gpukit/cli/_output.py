@@ -47,3 +47,19 @@ def human_bytes(n: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def say_if_fake(command: str) -> None:
+    """Say on stderr when GPUKIT_FAKE_NVML makes ``gpukit COMMAND`` read a described machine.
+
+    A forgotten ``export GPUKIT_FAKE_NVML=...`` must not quietly hand out another machine's
+    GPU indices.
+    """
+    import os
+
+    fake = os.environ.get("GPUKIT_FAKE_NVML")
+    if fake:
+        print(
+            f"gpukit {command}: reading a fake machine from {fake} (GPUKIT_FAKE_NVML).",
+            file=sys.stderr,
+        )

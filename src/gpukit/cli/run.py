@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 from gpukit._waiting import wait_and_claim
 from gpukit.claims import Claim, claim, current_claims
+from gpukit.cli._output import say_if_fake
 from gpukit.cli.pick import add_criteria, criteria_from, print_error
 from gpukit.errors import ClaimError, GpukitError, InvalidArgumentError, NoDriverError
 from gpukit.inventory import Inventory, inventory
@@ -223,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
             f"--timeout {args.timeout:g} is not a number of seconds to wait.",
             hint="Use 0 or more, e.g. --timeout 3600; leave it out to wait as long as it takes.",
         )
+    say_if_fake("run")
     try:
         inv = inventory()
     except NoDriverError as exc:
