@@ -239,3 +239,23 @@ def test_list_keeps_every_gpu_index_on_an_80_column_terminal(
     gpu_rows = [line for line in lines[2:] if "└" not in line]
     assert [row.split()[0] for row in gpu_rows] == [str(g.index) for g in inv.gpus]
     assert all(len(line) <= 80 for line in lines)
+
+
+def test_watch_into_a_pipe_whose_reader_leaves_exits_0(machines_dir: Path, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "GPUKIT_FAKE_NVML": str(machines_dir / "kaggle-2xT4-idle.json"),
+        "GPUKIT_LOCK_DIR": str(tmp_path),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpukit", "list", "--watch", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()  # `gpukit list --watch | head -1`
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

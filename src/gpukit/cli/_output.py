@@ -20,10 +20,18 @@ def console(*, stderr: bool = False) -> Console:
 
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits with status 1 when the reader leaves (`gpukit list --watch | head`),
+            # the code of an internal failure; let the command end as a finished pipe does.
+            self.quiet = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise BrokenPipeError
+
     stream = sys.stderr if stderr else sys.stdout
     # A log or a pipe has no width: don't fold tables to rich's 80-column default there.
     width = None if stream.isatty() or "COLUMNS" in os.environ else 160
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
+    return _Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
 
 def print_json(payload: dict[str, Any]) -> None:
