@@ -297,6 +297,21 @@ def test_ddp_runs_the_script_under_torchrun_with_one_process_per_gpu() -> None:
     assert ddp_command(["./train.sh"], 2)[-2:] == ["--no-python", "./train.sh"]
 
 
+def test_ddp_passes_python_with_its_own_options_to_torchrun_as_a_program() -> None:
+    from torch.distributed.run import get_args_parser
+
+    argv = ddp_command(["python", "-u", "train.py", "--lr", "1"], 2)
+    parsed = get_args_parser().parse_args(argv[3:])  # torchrun refused `-u` before
+    assert parsed.no_python
+    assert [parsed.training_script, *parsed.training_script_args] == [
+        "python",
+        "-u",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+
+
 @pytest.mark.slow
 def test_ddp_starts_one_worker_per_claimed_gpu(
     run_cli: CliRunner, locks: Path, tmp_path: Path

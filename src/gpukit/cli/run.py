@@ -94,13 +94,18 @@ def ddp_command(cmd: Sequence[str], nproc: int) -> list[str]:
     """``cmd`` under torchrun with ``nproc`` processes on this machine.
 
     ``python train.py ...`` becomes ``torchrun train.py ...``, ``python -m pkg`` becomes
-    ``torchrun -m pkg``, and any other program runs with ``--no-python``. ``--standalone``
+    ``torchrun -m pkg``, and any other program (``python -u train.py`` included) runs with
+    ``--no-python``. ``--standalone``
     gives each job its own rendezvous port, so two jobs on one server do not collide.
     """
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     launcher.append(f"--nproc-per-node={nproc}")
     program = os.path.basename(cmd[0])
-    if program.startswith(_PYTHONS) and len(cmd) > 1:
+    # torchrun takes the script or -m, not python's own options (python -u train.py): with
+    # those, it runs the whole python command line as a program instead.
+    if program.startswith(_PYTHONS) and len(cmd) > 1 and not cmd[1].startswith("-"):
+        return [*launcher, *cmd[1:]]
+    if program.startswith(_PYTHONS) and len(cmd) > 2 and cmd[1] == "-m":
         return [*launcher, *cmd[1:]]
     if program.endswith(".py"):
         return [*launcher, *cmd]
