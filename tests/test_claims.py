@@ -193,3 +193,8 @@ def test_waiting_reports_its_status() -> None:
     assert seen
     assert "waiting for 2 GPUs" in seen[0]
     assert "0 of 4 qualify" in seen[0]
+
+
+def test_a_timeout_while_gpus_qualify_says_they_had_not_settled_yet() -> None:
+    with pytest.raises(WaitTimeoutError, match=r"Only 0 qualified for 3 polls in a row"):
+        wait_and_claim(1, Criteria.make(), timeout=0, settle=3, poll=0.01)

@@ -123,6 +123,15 @@ def test_pick_excludes_gpus_by_index_and_by_uuid_prefix(monkeypatch: pytest.Monk
     ] == [7]
 
 
+@pytest.mark.parametrize("one", [2, "2", "GPU-8d116ece"], ids=repr)
+def test_pick_excludes_one_gpu_given_on_its_own(
+    monkeypatch: pytest.MonkeyPatch, one: int | str
+) -> None:
+    inv = _machine(monkeypatch, A100)  # GPU-8d116ece... is GPU 2, the idle GPU with most free
+    picked = pick(1, exclude=one, inventory=inv, claims={})  # type: ignore[arg-type]
+    assert [g.index for g in picked] == [4]
+
+
 def test_pick_never_chooses_a_gpu_in_mig_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     inv = _machine(monkeypatch, MIG)
     assert [g.index for g in pick(1, min_free="1GiB", inventory=inv, claims={})] == [1]
@@ -172,7 +181,15 @@ def test_pick_without_a_driver_raises_no_driver(
 
 @pytest.mark.parametrize(
     "bad",
-    [{"n": 0}, {"max_util": 120}, {"max_processes": -1}, {"min_free": "lots"}, {"order": "x"}],
+    [
+        {"n": 0},
+        {"n": "2"},
+        {"n": 2.0},
+        {"max_util": 120},
+        {"max_processes": -1},
+        {"min_free": "lots"},
+        {"order": "x"},
+    ],
     ids=repr,
 )
 def test_pick_rejects_criteria_that_make_no_sense(

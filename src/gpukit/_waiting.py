@@ -134,17 +134,29 @@ def wait_and_claim(
             )
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
-                raise _timeout(n, criteria, timeout, inv, verdicts)
+                late = ""
+                if qualify >= n:  # they qualify now: say what kept this waiter from them
+                    late = (
+                        f" {ahead} earlier waiter{'s' if ahead != 1 else ''} still in line."
+                        if ahead
+                        else f" Only {len(ready)} qualified for {settle} polls in a row (--settle)."
+                    )
+                raise _timeout(n, criteria, timeout, inv, verdicts, late)
             left = None if timeout is None else timeout - waited
             time.sleep(poll if left is None else max(0.0, min(poll, left)))
             inv = read()
 
 
 def _timeout(
-    n: int, criteria: Criteria, timeout: float, inv: Inventory, verdicts: list[Verdict]
+    n: int,
+    criteria: Criteria,
+    timeout: float,
+    inv: Inventory,
+    verdicts: list[Verdict],
+    late: str = "",
 ) -> WaitTimeoutError:
     why: NoGpuAvailableError = no_gpu_error(inv, n, criteria, verdicts)
     return WaitTimeoutError(
-        f"Waited {timeout:g} s for GPUs, in vain. {why.message}",
+        f"Waited {timeout:g} s for GPUs, in vain. {why.message}{late}",
         hint="Wait longer (--timeout), ask for fewer GPUs, or relax the criteria.",
     )

@@ -127,6 +127,12 @@ class Criteria:
             raise InvalidArgumentError(
                 f"max_processes={max_processes} is negative.", hint="Use 0 or more."
             )
+        # One GPU on its own (3, "GPU-8d11"), or "2,4" as on the command line: iterating the
+        # string would exclude "G", "P", "U", ... and with them every GPU.
+        if isinstance(exclude, int):
+            exclude = [exclude]
+        elif isinstance(exclude, str):
+            exclude = [e.strip() for e in exclude.split(",") if e.strip()]
         excluded = tuple(exclude)
         for item in excluded:
             if not isinstance(item, (int, str)) or isinstance(item, bool):
@@ -262,8 +268,8 @@ def choose(
         raise InvalidArgumentError(
             f"order={order!r} is not an order gpukit knows.", hint=f"Use one of {ORDERS}."
         )
-    if n < 1:
-        raise InvalidArgumentError(f"Cannot pick {n} GPUs.", hint="Ask for 1 or more.")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidArgumentError(f"Cannot pick {n!r} GPUs.", hint="Ask for 1 or more, as an int.")
     verdicts = assess(inv, criteria, claims)
     good = best_first((v.gpu for v in verdicts if v.ok), order)
     if len(good) >= n:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,13 +120,24 @@ def test_list_on_this_machine_without_nvidia_driver_exits_3(run_cli: CliRunner) 
     assert "Traceback" not in result.stderr
 
 
+def _colours(text: str) -> list[str]:
+    """The SGR colour codes in ``text`` (foreground/background; bold and dim are not colours)."""
+    return re.findall(r"\x1b\[(?:3[0-9]|4[0-9]|9[0-7])[0-9;]*m", text)
+
+
 def test_list_respects_no_color(run_cli: CliRunner, machines_dir: Path) -> None:
+    # FORCE_COLOR stands in for a terminal; the yellow CUDA-order note is the coloured part.
     env = {
-        **_fake(machines_dir, "kaggle-2xT4-idle"),
-        "NO_COLOR": "1",
-        "FORCE_COLOR": None,
+        **_fake(machines_dir, "workstation-mixed-order"),
+        "FORCE_COLOR": "1",
         "TERM": "xterm-256color",
     }
+    assert _colours(run_cli("list", env={**env, "NO_COLOR": None}).stdout)
+    assert _colours(run_cli("list", env={**env, "NO_COLOR": "1"}).stdout) == []
+
+
+def test_list_to_a_pipe_has_no_escape_codes(run_cli: CliRunner, machines_dir: Path) -> None:
+    env = {**_fake(machines_dir, "workstation-mixed-order"), "FORCE_COLOR": None, "NO_COLOR": None}
     assert "\x1b[" not in run_cli("list", env=env).stdout
 
 
@@ -188,3 +200,62 @@ def test_list_shows_who_has_claimed_each_gpu(
     assert claims[uuid]["command"] == "python train.py"
     after = run_cli("list", env=env).stdout
     assert "claimed by" not in after
+
+
+def test_list_shows_a_command_line_with_brackets_as_it_is(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path
+) -> None:
+    machine = json.loads((machines_dir / "server-8xA100-shared.json").read_text())
+    command = "python train.py tags=[red] [/x]"
+    machine["gpus"][0]["processes"][0]["name"] = command
+    path = tmp_path / "brackets.json"
+    path.write_text(json.dumps(machine))
+    result = run_cli("list", env={"GPUKIT_FAKE_NVML": str(path), "GPUKIT_LOCK_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert command in result.stdout
+
+
+@pytest.mark.parametrize(
+    "name", ["server-8xA100-shared", "server-2xH100-mig", "workstation-mixed-order"]
+)
+def test_list_keeps_every_gpu_index_on_an_80_column_terminal(
+    machines_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
+) -> None:
+    from rich.console import Console
+
+    from gpukit.cli.list_gpus import _read, _render
+
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(machines_dir / f"{name}.json"))
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    inv, view = _read()
+    out = Console(width=80, force_terminal=True, color_system=None, highlight=False)
+    with out.capture() as captured:
+        out.print(_render(inv, view))
+    text = captured.get().split("note:")[0]  # the notes below the table wrap, as prose does
+    lines = text.splitlines()
+    assert lines[1].split()[0] == "GPU"
+    gpu_rows = [line for line in lines[2:] if "└" not in line]
+    assert [row.split()[0] for row in gpu_rows] == [str(g.index) for g in inv.gpus]
+    assert all(len(line) <= 80 for line in lines)
+
+
+def test_watch_into_a_pipe_whose_reader_leaves_exits_0(machines_dir: Path, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "GPUKIT_FAKE_NVML": str(machines_dir / "kaggle-2xT4-idle.json"),
+        "GPUKIT_LOCK_DIR": str(tmp_path),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpukit", "list", "--watch", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()  # `gpukit list --watch | head -1`
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

@@ -26,6 +26,17 @@ def test_pick_prints_free_gpu_indices_comma_separated(
     assert (done.returncode, done.stdout) == (0, "2,4\n")
 
 
+@pytest.mark.parametrize("command", ["pick", "run"])
+def test_pick_and_run_say_on_stderr_that_they_read_a_fake_machine(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path, command: str
+) -> None:
+    args = ["--", "true"] if command == "run" else []
+    done = run_cli(command, *args, env=_env(machines_dir, tmp_path, "server-4xL4-idle"))
+    assert done.returncode == 0, done.stderr
+    assert f"gpukit {command}: reading a fake machine" in done.stderr
+    assert "server-4xL4-idle.json" in done.stderr
+
+
 def test_pick_prints_nothing_and_exits_4_when_too_few_qualify(
     run_cli: CliRunner, machines_dir: Path, tmp_path: Path
 ) -> None:

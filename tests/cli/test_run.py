@@ -75,6 +75,28 @@ def test_run_returns_the_command_exit_code(run_cli: CliRunner, locks: Path) -> N
     assert done.returncode == 7
 
 
+def test_run_of_a_file_that_is_not_executable_exits_2_and_frees_the_gpu(
+    run_cli: CliRunner, locks: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    script.chmod(0o644)
+    done = run_cli("run", "--", str(script), env=dict(_env(locks)))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "python train.py" in done.stderr
+    assert current_claims(locks) == {}
+
+
+@pytest.mark.parametrize("timeout", ["-1", "nan"])
+def test_run_refuses_a_timeout_that_is_not_a_duration_with_exit_2(
+    run_cli: CliRunner, locks: Path, timeout: str
+) -> None:
+    done = run_cli("run", "--timeout", timeout, "--", *_py("pass"), env=dict(_env(locks)))
+    assert done.returncode == 2, done.stderr
+    assert "--timeout" in done.stderr
+
+
 def test_run_returns_128_plus_n_when_a_signal_kills_the_command(
     run_cli: CliRunner, locks: Path
 ) -> None:
@@ -273,6 +295,21 @@ def test_ddp_runs_the_script_under_torchrun_with_one_process_per_gpu() -> None:
     assert argv[1:] == [*launcher, "train.py", "--lr", "1"]
     assert ddp_command(["python", "-m", "pkg.train"], 2)[-2:] == ["-m", "pkg.train"]
     assert ddp_command(["./train.sh"], 2)[-2:] == ["--no-python", "./train.sh"]
+
+
+def test_ddp_passes_python_with_its_own_options_to_torchrun_as_a_program() -> None:
+    from torch.distributed.run import get_args_parser
+
+    argv = ddp_command(["python", "-u", "train.py", "--lr", "1"], 2)
+    parsed = get_args_parser().parse_args(argv[3:])  # torchrun refused `-u` before
+    assert parsed.no_python
+    assert [parsed.training_script, *parsed.training_script_args] == [
+        "python",
+        "-u",
+        "train.py",
+        "--lr",
+        "1",
+    ]
 
 
 @pytest.mark.slow

@@ -20,12 +20,20 @@ def console(*, stderr: bool = False) -> Console:
 
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits with status 1 when the reader leaves (`gpukit list --watch | head`),
+            # the code of an internal failure; let the command end as a finished pipe does.
+            self.quiet = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise BrokenPipeError
+
     stream = sys.stderr if stderr else sys.stdout
     # A log or a pipe has no width: don't fold tables to rich's 80-column default there.
     width = None if stream.isatty() or "COLUMNS" in os.environ else 160
     # markup off: what gpukit prints is data (paths, commands, metadata) in which a "[...]"
     # must show as written, never be read as a style.
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width, markup=False)
+    return _Console(stderr=stderr, highlight=False, soft_wrap=False, width=width, markup=False)
 
 
 def print_json(payload: dict[str, Any]) -> None:
@@ -49,3 +57,19 @@ def human_bytes(n: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def say_if_fake(command: str) -> None:
+    """Say on stderr when GPUKIT_FAKE_NVML makes ``gpukit COMMAND`` read a described machine.
+
+    A forgotten ``export GPUKIT_FAKE_NVML=...`` must not quietly hand out another machine's
+    GPU indices.
+    """
+    import os
+
+    fake = os.environ.get("GPUKIT_FAKE_NVML")
+    if fake:
+        print(
+            f"gpukit {command}: reading a fake machine from {fake} (GPUKIT_FAKE_NVML).",
+            file=sys.stderr,
+        )

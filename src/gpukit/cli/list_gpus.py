@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from gpukit.claims import Holder
 
 _BAR_WIDTH = 10
+# Free-text columns, cut to fit a narrow terminal.
+_CUT = frozenset({"name", "claimed by", "user:pid command (memory)"})
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +153,7 @@ def build_table(
 ) -> Table:
     """The table of GPUs; ``claims`` (GPU UUID -> holder) adds a "claimed by" column."""
     from rich.table import Table
+    from rich.text import Text
 
     headers = [
         "GPU",
@@ -167,19 +170,25 @@ def build_table(
     rows = _rows(inv, view, claims)
     table = Table(box=None, pad_edge=False, header_style="bold")
     for i, header in enumerate(headers):
-        last = i == len(headers) - 1
-        # Every column but the processes keeps its full width; the processes column is the
-        # one cut on a narrow terminal, so that each GPU stays on one line.
+        # The readings keep their full width; on a narrow terminal only the free-text columns
+        # are cut (with an ellipsis), so each GPU stays on one line and keeps its index. rich
+        # shrinks only wrappable columns first; when every column is no_wrap it shrinks them
+        # all evenly and the narrow index column vanishes.
+        cut = header in _CUT
         width = max([len(header), *(len(cells[i]) for cells, _ in rows)])
         table.add_column(
-            header,
+            Text(header, no_wrap=True, overflow="ellipsis"),
             justify="right" if header in right else "left",
-            no_wrap=True,
-            min_width=None if last else width,
-            overflow="ellipsis" if last else "fold",
+            no_wrap=not cut,
+            min_width=None if cut else width,
+            overflow="ellipsis" if cut else "fold",
         )
     for cells, style in rows:
-        table.add_row(*cells, style=style)
+        # Text, not markup: a command line such as `train.py tags=[/x]` is shown as it is
+        # (as a markup string it would vanish or raise, and any user can start such a process).
+        table.add_row(
+            *(Text(cell, no_wrap=True, overflow="ellipsis") for cell in cells), style=style
+        )
     return table
 
 

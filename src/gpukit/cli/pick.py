@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpukit.cli._output import print_json
+from gpukit.cli._output import print_json, say_if_fake
 from gpukit.errors import GpukitError, InvalidArgumentError
 from gpukit.select import ORDERS, Criteria, choose
 
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from gpukit.inventory import inventory
 
     criteria = criteria_from(args)
+    say_if_fake("pick")
     inv = inventory()
     claims = current_claims()
     try:

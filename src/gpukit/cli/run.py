@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 from gpukit._waiting import wait_and_claim
 from gpukit.claims import Claim, claim, current_claims
+from gpukit.cli._output import say_if_fake
 from gpukit.cli.pick import add_criteria, criteria_from, print_error
 from gpukit.errors import ClaimError, GpukitError, InvalidArgumentError, NoDriverError
 from gpukit.inventory import Inventory, inventory
@@ -93,13 +94,18 @@ def ddp_command(cmd: Sequence[str], nproc: int) -> list[str]:
     """``cmd`` under torchrun with ``nproc`` processes on this machine.
 
     ``python train.py ...`` becomes ``torchrun train.py ...``, ``python -m pkg`` becomes
-    ``torchrun -m pkg``, and any other program runs with ``--no-python``. ``--standalone``
+    ``torchrun -m pkg``, and any other program (``python -u train.py`` included) runs with
+    ``--no-python``. ``--standalone``
     gives each job its own rendezvous port, so two jobs on one server do not collide.
     """
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     launcher.append(f"--nproc-per-node={nproc}")
     program = os.path.basename(cmd[0])
-    if program.startswith(_PYTHONS) and len(cmd) > 1:
+    # torchrun takes the script or -m, not python's own options (python -u train.py): with
+    # those, it runs the whole python command line as a program instead.
+    if program.startswith(_PYTHONS) and len(cmd) > 1 and not cmd[1].startswith("-"):
+        return [*launcher, *cmd[1:]]
+    if program.startswith(_PYTHONS) and len(cmd) > 2 and cmd[1] == "-m":
         return [*launcher, *cmd[1:]]
     if program.endswith(".py"):
         return [*launcher, *cmd]
@@ -166,11 +172,17 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> int:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     try:
         proc = subprocess.Popen(list(argv), env=env, preexec_fn=_die_with_parent())
-    except FileNotFoundError as exc:
+    except OSError as exc:  # not found, not executable (chmod), a folder, not a program
         if synchronous:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        if isinstance(exc, FileNotFoundError):
+            raise InvalidArgumentError(
+                f"Cannot run {argv[0]!r}: no such program.", hint="Check the command after `--`."
+            ) from exc
         raise InvalidArgumentError(
-            f"Cannot run {argv[0]!r}: no such program.", hint="Check the command after `--`."
+            f"Cannot run {argv[0]!r}: {exc.strerror or exc}.",
+            hint="Check the command after `--`: make the file executable (chmod +x) or run it "
+            "with its interpreter, e.g. `-- python train.py`.",
         ) from exc
     if not synchronous:  # platforms without sigtimedwait: forward everything we receive
         for signum in _FORWARDED:
@@ -212,6 +224,12 @@ def run(args: argparse.Namespace) -> int:
             f"--settle {args.settle} --poll {args.poll}: both must be positive.",
             hint="Use e.g. --settle 3 --poll 2.",
         )
+    if args.timeout is not None and not args.timeout >= 0:  # also refuses nan
+        raise InvalidArgumentError(
+            f"--timeout {args.timeout:g} is not a number of seconds to wait.",
+            hint="Use 0 or more, e.g. --timeout 3600; leave it out to wait as long as it takes.",
+        )
+    say_if_fake("run")
     try:
         inv = inventory()
     except NoDriverError as exc:
