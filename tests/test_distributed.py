@@ -252,3 +252,9 @@ def test_launch_refuses_a_function_spawned_processes_cannot_receive() -> None:
     with pytest.raises(InvalidArgumentError, match="cannot send") as info:
         dist.launch(lambda: 1, 1)
     assert "top level of an importable module" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["3", None, [1.0]])
+def test_all_reduce_mean_refuses_what_is_not_a_tensor_or_number(value: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="a tensor or a number"):
+        dist.all_reduce_mean(value)  # type: ignore[arg-type]

@@ -243,3 +243,11 @@ def test_visible_and_inventory_never_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("index", ["0", 1.0, True])
+def test_physical_index_refuses_what_is_not_a_cuda_index(index: object) -> None:
+    from gpukit.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="whole number"):
+        gk.physical_index(index)  # type: ignore[arg-type]

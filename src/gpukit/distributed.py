@@ -220,6 +220,11 @@ def all_reduce_mean(x: torch.Tensor | float) -> Any:
     >>> all_reduce_mean(2.0)        # one process: its own value
     2.0
     """
+    if isinstance(x, bool) or not isinstance(x, (torch.Tensor, int, float)):
+        raise InvalidArgumentError(
+            f"all_reduce_mean takes a tensor or a number, not {type(x).__name__} ({x!r:.40}).",
+            hint="Pass the value itself, e.g. all_reduce_mean(loss.item()) or all_reduce_mean(t).",
+        )
     ctx = _ready()
     is_number = not isinstance(x, torch.Tensor)
     tensor = torch.as_tensor(x, dtype=torch.float64 if is_number else None)

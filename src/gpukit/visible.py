@@ -24,7 +24,12 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpukit.errors import CudaAlreadyInitializedError, NoDriverError, VisibleDevicesError
+from gpukit.errors import (
+    CudaAlreadyInitializedError,
+    InvalidArgumentError,
+    NoDriverError,
+    VisibleDevicesError,
+)
 
 if TYPE_CHECKING:
     from gpukit.inventory import GPU, Inventory
@@ -234,6 +239,11 @@ def physical_index(i: int, inventory: Inventory | None = None) -> int:
     """
     from gpukit.inventory import inventory as read_inventory
 
+    if isinstance(i, bool) or not isinstance(i, int):
+        raise InvalidArgumentError(
+            f"physical_index({i!r}): a CUDA index is a whole number.",
+            hint="Pass 0 for cuda:0, 1 for cuda:1, and so on.",
+        )
     view = visible_devices(inventory or read_inventory())
     devices = view.devices or ()
     if not 0 <= i < len(devices):
