@@ -13,7 +13,8 @@ from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
 from gpukit.inventory import SCHEMA, Inventory, inventory, inventory_json
 
 MACHINES = sorted((Path(__file__).parent / "fixtures" / "machines").glob("*.json"))
-WITH_DRIVER = [m for m in MACHINES if m.stem != "no-driver"]
+# Machines whose every GPU NVML reads in full (one-lost has its own test).
+WITH_DRIVER = [m for m in MACHINES if m.stem not in ("no-driver", "kaggle-2xT4-one-lost")]
 
 
 def _use(monkeypatch: pytest.MonkeyPatch, path: Path) -> dict[str, Any]:
@@ -237,3 +238,17 @@ def test_gk_inventory_stays_callable_after_the_module_is_imported(
     _use(monkeypatch, machines_dir / "kaggle-2xT4-idle.json")
     assert len(gk.inventory().gpus) == 2
     assert gpukit.inventory.Inventory is gk.Inventory
+
+
+def test_a_lost_gpu_is_reported_without_hiding_the_others(
+    monkeypatch: pytest.MonkeyPatch, machines_dir: Path
+) -> None:
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(machines_dir / "kaggle-2xT4-one-lost.json"))
+    inv = gk.inventory()
+    healthy, lost = inv.gpus
+    assert healthy.error is None
+    assert healthy.name == "Tesla T4"
+    assert lost.error is not None
+    assert "lost" in lost.error.lower()
+    assert lost.memory_total is None
+    assert Inventory.from_json(inv.to_json()).gpus[1].error == lost.error

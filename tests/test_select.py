@@ -223,3 +223,12 @@ def test_selection_and_the_commands_never_import_torch() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_pick_skips_a_lost_gpu_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, machines_dir: Path
+) -> None:
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(machines_dir / "kaggle-2xT4-one-lost.json"))
+    assert [g.index for g in gk.pick(1)] == [0]
+    with pytest.raises(NoGpuAvailableError, match=r"GPU 1: unreadable by NVML \(GPU is lost\)"):
+        gk.pick(2)

@@ -197,6 +197,9 @@ class FakeNvml:
         self._check("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self._gpus):
             raise _error("InvalidArgument")
+        lost = self._gpus[index].get("nvml_error")  # e.g. "GpuIsLost": the GPU fell off the bus
+        if lost:
+            raise _error(str(lost))
         return _Handle(index)
 
     def nvmlDeviceGetUUID(self, handle: _Handle) -> str:

@@ -94,6 +94,8 @@ class GPU:
     mig_instances: tuple[MigInstance, ...] = ()
     processes: tuple[GpuProcess, ...] = ()
     """Every process on the GPU, those running inside its MIG instances included."""
+    error: str | None = None
+    """Why NVML could not read this GPU at all (e.g. "GPU is lost"); its readings are then None."""
 
 
 @dataclass(frozen=True)
@@ -352,7 +354,11 @@ def _mig_instances(read: _Reader, handle: Any) -> tuple[MigInstance, ...]:
 
 def _read_gpu(read: _Reader, index: int) -> GPU:
     nvml = read.nvml
-    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    except nvml.NVMLError as exc:
+        # One fallen GPU (Xid 79, "GPU is lost") must not hide the others, as in nvidia-smi.
+        return GPU(index=index, uuid="", name="unreadable GPU", error=str(exc))
     total, used, free, reserved = _memory(read, handle)
     util = read(nvml.nvmlDeviceGetUtilizationRates, handle)
     pci = read(nvml.nvmlDeviceGetPciInfo, handle)

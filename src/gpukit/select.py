@@ -210,6 +210,8 @@ class Verdict:
 def _reasons(gpu: GPU, criteria: Criteria, holder: Holder | None) -> list[str]:
     if criteria.excludes(gpu):
         return ["excluded"]
+    if gpu.error is not None:
+        return [f"unreadable by NVML ({gpu.error})"]
     if gpu.mig_mode:
         return ["in MIG mode (use one of its MIG instances by UUID in CUDA_VISIBLE_DEVICES)"]
     reasons = []

@@ -135,7 +135,8 @@ def parse_visible_devices(value: str | None) -> tuple[Entry, ...] | None:
 
 
 def _gpus_differ(gpus: Iterable[GPU]) -> bool:
-    return len({(g.name, g.compute_capability) for g in gpus}) > 1
+    # A GPU NVML cannot read tells nothing about how CUDA would order it.
+    return len({(g.name, g.compute_capability) for g in gpus if g.error is None}) > 1
 
 
 def cuda_order(inv: Inventory, device_order: str | None = None) -> list[GPU]:

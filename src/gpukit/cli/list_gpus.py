@@ -119,11 +119,12 @@ def _rows(
         add(
             str(gpu.index),
             cuda.get(gpu.index, []),
-            _short_name(gpu.name),
+            _short_name(gpu.name) if gpu.error is None else f"unreadable: {gpu.error}",
             _memory(gpu.memory_used, gpu.memory_total),
             readings,
             gpu.uuid,
             () if gpu.mig_instances else gpu.processes,
+            style="" if gpu.error is None else "red",
         )
         for mig in gpu.mig_instances:
             mig_cuda = [d.cuda_index for d in view.devices or () if d.mig_uuid == mig.uuid]
