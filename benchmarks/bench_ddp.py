@@ -12,6 +12,8 @@ if __name__ == "__main__":
     results = ddp.run(quick=parser.parse_args().quick)
     for r in results:
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "n/a"
-        print(f"{r.name:<28} {r.value:>10.0f} {r.unit}   {r.baseline_name}: "
-              f"{r.baseline_value:>10.0f} {r.unit}   ratio {ratio}")
+        print(
+            f"{r.name:<28} {r.value:>10.0f} {r.unit}   {r.baseline_name}: "
+            f"{r.baseline_value:>10.0f} {r.unit}   ratio {ratio}"
+        )
         print(f"  {r.note}")

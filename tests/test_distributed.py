@@ -19,10 +19,22 @@ from gpukit._dist_env import read_env
 from gpukit._launch import _failures
 from gpukit.errors import DistributedError, InvalidArgumentError
 
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-LAUNCH_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
-               "SLURM_NTASKS"]
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+LAUNCH_VARS = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +54,16 @@ def test_read_env_takes_ranks_from_torchrun_variables() -> None:
 
 
 def test_read_env_takes_ranks_from_slurm_when_torchrun_did_not_set_them() -> None:
-    env = read_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                    "SLURM_TASKS_PER_NODE": "4(x2)", "MASTER_ADDR": "node1",
-                    "MASTER_PORT": "29500"})
+    env = read_env(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_TASKS_PER_NODE": "4(x2)",
+            "MASTER_ADDR": "node1",
+            "MASTER_PORT": "29500",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
     assert env.source == "slurm"
 
@@ -99,8 +118,9 @@ def test_prepare_refuses_a_loader_without_an_explicit_batch_size() -> None:
 
 def test_prepare_refuses_both_batch_sizes_at_once() -> None:
     with pytest.raises(InvalidArgumentError, match="both"):
-        dist.prepare(nn.Linear(1, 1), loader=_ids_loader(8), per_device_batch_size=2,
-                     global_batch_size=4)
+        dist.prepare(
+            nn.Linear(1, 1), loader=_ids_loader(8), per_device_batch_size=2, global_batch_size=4
+        )
 
 
 def test_global_batch_size_is_split_evenly_over_processes() -> None:
@@ -117,15 +137,20 @@ def test_prepare_refuses_a_sampler_it_cannot_shard() -> None:
 
 
 def test_prepared_loader_uses_the_explicit_batch_size_not_the_loaders() -> None:
-    _, loader = dist.prepare(nn.Linear(1, 1), loader=_ids_loader(10, batch_size=4),
-                             per_device_batch_size=3)
+    _, loader = dist.prepare(
+        nn.Linear(1, 1), loader=_ids_loader(10, batch_size=4), per_device_batch_size=3
+    )
     assert [len(b[0]) for b in loader] == [3, 3, 3, 1]
 
 
 def test_prepared_loader_shuffles_differently_each_epoch_and_reproducibly_per_seed() -> None:
     def passes(seed: int) -> list[list[int]]:
-        _, loader = dist.prepare(nn.Linear(1, 1), loader=_ids_loader(16, shuffle=True),
-                                 per_device_batch_size=16, seed=seed)
+        _, loader = dist.prepare(
+            nn.Linear(1, 1),
+            loader=_ids_loader(16, shuffle=True),
+            per_device_batch_size=16,
+            seed=seed,
+        )
         return [next(iter(loader))[0].tolist() for _ in range(2)]
 
     first = passes(seed=3)
@@ -134,25 +159,29 @@ def test_prepared_loader_shuffles_differently_each_epoch_and_reproducibly_per_se
 
 
 def test_set_epoch_picks_the_shuffle_of_that_epoch() -> None:
-    _, loader = dist.prepare(nn.Linear(1, 1), loader=_ids_loader(16, shuffle=True),
-                             per_device_batch_size=16)
+    _, loader = dist.prepare(
+        nn.Linear(1, 1), loader=_ids_loader(16, shuffle=True), per_device_batch_size=16
+    )
     epoch0 = next(iter(loader))[0].tolist()
     loader.set_epoch(0)
     assert next(iter(loader))[0].tolist() == epoch0
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, 60), world=st.integers(1, 6), batch=st.integers(1, 7),
-       shuffle=st.booleans())
+@given(
+    n=st.integers(1, 60), world=st.integers(1, 6), batch=st.integers(1, 7), shuffle=st.booleans()
+)
 def test_kept_mask_keeps_every_sample_exactly_once_over_torchs_distributed_sampler(
     n: int, world: int, batch: int, shuffle: bool
 ) -> None:
-    shards = [list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle))
-              for r in range(world)]
+    shards = [
+        list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle))
+        for r in range(world)
+    ]
     kept: list[int] = []
     for start in range(0, len(shards[0]), batch):
-        gathered = [i for shard in shards for i in shard[start:start + batch]]
-        length = len(shards[0][start:start + batch])
+        gathered = [i for shard in shards for i in shard[start : start + batch]]
+        length = len(shards[0][start : start + batch])
         mask = kept_mask(n, world, start, length)
         kept += [i for i, keep in zip(gathered, mask, strict=True) if keep]
     assert sorted(kept) == list(range(n))
@@ -199,8 +228,11 @@ def test_launch_failure_names_the_rank_that_vanished_before_the_peer_that_lost_i
 ) -> None:
     (tmp_path / "0.start").touch()
     (tmp_path / "1.start").touch()
-    (tmp_path / "0.error").write_text(json.dumps({
-        "time": 1.0, "error": "RuntimeError: Connection closed by peer", "traceback": "t"}))
+    (tmp_path / "0.error").write_text(
+        json.dumps(
+            {"time": 1.0, "error": "RuntimeError: Connection closed by peer", "traceback": "t"}
+        )
+    )
     order = [rank for rank, _, _ in _failures({}, tmp_path)]
     assert order == [1, 0]
 
@@ -224,8 +256,16 @@ def test_prepare_refuses_objects_that_are_not_a_model_optimizer_or_loader(
     [
         ({**TORCHRUN, "LOCAL_RANK": "abc"}, "LOCAL_RANK"),
         ({**TORCHRUN, "LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "x",
-          "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, "SLURM_LOCALID"),
+        (
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": "x",
+                "MASTER_ADDR": "node1",
+                "MASTER_PORT": "29500",
+            },
+            "SLURM_LOCALID",
+        ),
     ],
 )
 def test_read_env_names_a_local_rank_variable_that_is_not_an_integer(

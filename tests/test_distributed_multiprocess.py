@@ -23,8 +23,16 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "distributed_scripts"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+)
 
 
 def _env() -> dict[str, str]:
@@ -37,8 +45,12 @@ def _env() -> dict[str, str]:
 
 def _script(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
-        env=_env(), timeout=timeout, check=False,
+        [sys.executable, str(SCRIPTS / name), *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -72,14 +84,15 @@ def session() -> dict[str, Any]:
 def test_launch_returns_each_ranks_result_in_rank_order(session: dict[str, Any]) -> None:
     ranks = session["ranks"]
     assert [(r["rank"], r["world_size"], r["is_main"]) for r in ranks] == [
-        (0, 2, True), (1, 2, False)]
+        (0, 2, True),
+        (1, 2, False),
+    ]
 
 
 def test_launched_processes_use_gloo_and_their_local_rank_on_cpu(
     session: dict[str, Any],
 ) -> None:
-    assert [(r["backend"], r["local_rank"]) for r in session["ranks"]] == [
-        ("gloo", 0), ("gloo", 1)]
+    assert [(r["backend"], r["local_rank"]) for r in session["ranks"]] == [("gloo", 0), ("gloo", 1)]
 
 
 def test_all_reduce_mean_averages_over_processes(session: dict[str, Any]) -> None:
@@ -106,12 +119,17 @@ def test_launched_workers_are_gone_after_launch_returns(session: dict[str, Any])
     _assert_all_gone([r["pid"] for r in session["ranks"]])
 
 
-@pytest.mark.parametrize(("mode", "says"), [
-    ("raise", "failed: rank 1 raised ValueError: boom from the test worker"),
-    ("kill", "failed: rank 1 was killed by SIGKILL"),
-])
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("raise", "failed: rank 1 raised ValueError: boom from the test worker"),
+        ("kill", "failed: rank 1 was killed by SIGKILL"),
+    ],
+)
 def test_a_failing_worker_ends_launch_quickly_naming_its_rank_and_leaving_no_process(
-    tmp_path: Path, mode: str, says: str,
+    tmp_path: Path,
+    mode: str,
+    says: str,
 ) -> None:
     started = time.monotonic()
     done = _script("launch_failing.py", mode, str(tmp_path), timeout=60)
@@ -126,12 +144,25 @@ def test_a_failing_worker_ends_launch_quickly_naming_its_rank_and_leaving_no_pro
 
 def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_together(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-               "--rdzv-id=gpukit-two-nodes", "--max-restarts=0",
-               str(SCRIPTS / "torchrun_train.py"), str(tmp_path)]
-    nodes = [subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        "--rdzv-id=gpukit-two-nodes",
+        "--max-restarts=0",
+        str(SCRIPTS / "torchrun_train.py"),
+        str(tmp_path),
+    ]
+    nodes = [
+        subprocess.Popen(
+            command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     try:
         outputs = [node.communicate(timeout=180) for node in nodes]
     finally:
@@ -142,6 +173,8 @@ def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_together(tmp_path: Path
     assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world_size"], r["backend"]) for r in results] == [
-        (0, 2, "gloo"), (1, 2, "gloo")]
+        (0, 2, "gloo"),
+        (1, 2, "gloo"),
+    ]
     assert results[0]["weights"] == pytest.approx(results[1]["weights"], abs=1e-6)
     _assert_all_gone(_pids(tmp_path))

@@ -28,9 +28,7 @@ def active_loader() -> DistributedLoader | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def kept_mask(
-    dataset_len: int, world_size: int, start: int, batch_len: int
-) -> list[bool]:
+def kept_mask(dataset_len: int, world_size: int, start: int, batch_len: int) -> list[bool]:
     """Which rows of a gathered batch are real samples (True) rather than sampler padding.
 
     The gathered batch holds ``batch_len`` rows from each rank in rank order; every rank had
@@ -54,14 +52,18 @@ def per_device_size(
     if (per_device_batch_size is None) == (global_batch_size is None):
         raise InvalidArgumentError(
             "prepare() got a loader and "
-            + ("both per_device_batch_size and global_batch_size."
-               if per_device_batch_size is not None
-               else "neither per_device_batch_size nor global_batch_size."),
+            + (
+                "both per_device_batch_size and global_batch_size."
+                if per_device_batch_size is not None
+                else "neither per_device_batch_size nor global_batch_size."
+            ),
             hint="Pass exactly one: per_device_batch_size=B (each process loads B, the step sees "
             "B x world size) or global_batch_size=G (the step sees G whatever the world size).",
         )
-    for name, value in (("per_device_batch_size", per_device_batch_size),
-                        ("global_batch_size", global_batch_size)):
+    for name, value in (
+        ("per_device_batch_size", per_device_batch_size),
+        ("global_batch_size", global_batch_size),
+    ):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InvalidArgumentError(
                 f"{name}={value!r} is not a batch size.",

@@ -37,13 +37,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # Error messages that mean "a peer went away", not "this rank went wrong": when one rank dies,
 # the others fail in their next collective, and those failures must not hide the first one.
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
-              "communicator was aborted", "remote process exited")
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "communicator was aborted",
+    "remote process exited",
+)
 
 
-def _worker(
-    fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], reports: str
-) -> R:
+def _worker(fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], reports: str) -> R:
     """What each launched process runs: join the group, call ``fn``, leave the group.
 
     It notes in ``reports`` that it started, and when and how it failed, with a precise time:
@@ -69,8 +72,11 @@ def _worker(
                 if dist.is_initialized():
                     dist.destroy_process_group()
         except BaseException as exc:
-            note = {"time": time.time(), "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc()}
+            note = {
+                "time": time.time(),
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
             (folder / f"{rank}.error").write_text(json.dumps(note))
             raise
 
@@ -97,7 +103,11 @@ def _failures(failed: dict[int, Any], reports: Path) -> list[tuple[int, str, str
         note = json.loads(path.read_text())
         lost = any(s in note["error"].lower() for s in _PEER_LOST)
         found[int(path.stem)] = (
-            1.0 if lost else 0.0, note["time"], f"raised {note['error']}", note["traceback"])
+            1.0 if lost else 0.0,
+            note["time"],
+            f"raised {note['error']}",
+            note["traceback"],
+        )
     for rank, failure in failed.items():
         if rank not in found:  # no Python error: a signal or a hard exit, seen first by the agent
             found[rank] = (0.0, 0.0, _agent_view(failure), None)

@@ -137,8 +137,12 @@ def init(
             else torch.device("cpu")
         )
         _context = DistributedContext(
-            dist.get_rank(), launch_env.local_rank, dist.get_world_size(),
-            launch_env.local_world_size, group_backend, dev,
+            dist.get_rank(),
+            launch_env.local_rank,
+            dist.get_world_size(),
+            launch_env.local_world_size,
+            group_backend,
+            dev,
         )
         return _context
     if not launch_env.launched:
@@ -149,12 +153,19 @@ def init(
         torch.cuda.set_device(dev)
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(
-        chosen, init_method="env://", rank=launch_env.rank,
-        world_size=launch_env.world_size, **kwargs,
+        chosen,
+        init_method="env://",
+        rank=launch_env.rank,
+        world_size=launch_env.world_size,
+        **kwargs,
     )
     _context = DistributedContext(
-        launch_env.rank, launch_env.local_rank, launch_env.world_size,
-        launch_env.local_world_size, chosen, dev,
+        launch_env.rank,
+        launch_env.local_rank,
+        launch_env.world_size,
+        launch_env.local_world_size,
+        chosen,
+        dev,
     )
     return _context
 
@@ -345,26 +356,46 @@ def _prepare_optimizer(optimizer: Optimizer, ctx: DistributedContext) -> Optimiz
 def prepare(model: M) -> M | DistributedDataParallel: ...
 @overload
 def prepare(
-    model: M, optimizer: Opt, loader: None = ..., *,
-    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    model: M,
+    optimizer: Opt,
+    loader: None = ...,
+    *,
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, Opt]: ...
 @overload
 def prepare(
-    model: M, optimizer: Opt, loader: DataLoader[Any], *,
-    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    model: M,
+    optimizer: Opt,
+    loader: DataLoader[Any],
+    *,
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
 @overload
 def prepare(
-    model: M, optimizer: None = ..., *, loader: DataLoader[Any],
-    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    model: M,
+    optimizer: None = ...,
+    *,
+    loader: DataLoader[Any],
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 @overload
 def prepare(
-    model: M, optimizer: None, loader: DataLoader[Any], *,
-    per_device_batch_size: int | None = ..., global_batch_size: int | None = ..., seed: int = ...,
+    model: M,
+    optimizer: None,
+    loader: DataLoader[Any],
+    *,
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 def prepare(
@@ -398,8 +429,12 @@ def prepare(
         size = per_device_size(ctx.world_size, per_device_batch_size, global_batch_size)
         out.append(
             DistributedLoader(
-                loader, batch_size=size, rank=ctx.rank, world_size=ctx.world_size,
-                device=ctx.device, seed=seed,
+                loader,
+                batch_size=size,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                device=ctx.device,
+                seed=seed,
             )
         )
     return out[0] if len(out) == 1 else tuple(out)

@@ -17,6 +17,10 @@ if __name__ == "__main__":
     ctx = dist.init()
     weights = workloads.train()
     dist.barrier()
-    result = {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
-              "weights": weights}
+    result = {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "weights": weights,
+    }
     Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(result))
