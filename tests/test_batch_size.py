@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpukit as gk
-import gpukit.batch_size
-from gpukit.batch_size import is_out_of_memory
+import gpukit.memory.batch_size
 from gpukit.errors import InvalidArgumentError, MemoryProbeError
+from gpukit.memory.batch_size import is_out_of_memory
 
 
 class SimulatedGpu:
@@ -38,7 +38,7 @@ class SimulatedGpu:
 def frees(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the frees between tries instead of running a full garbage collection each time."""
     calls: list[int] = []
-    monkeypatch.setattr(gpukit.batch_size, "_free_between_tries", lambda: calls.append(1))
+    monkeypatch.setattr(gpukit.memory.batch_size, "_free_between_tries", lambda: calls.append(1))
     return calls
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gpukit._waiting import Ticket, wait_and_claim
-from gpukit.claims import current_claims, holder_of, lock_dir
 from gpukit.errors import ClaimError, NoGpuAvailableError, WaitTimeoutError
-from gpukit.inventory import GpuProcess, Inventory, inventory
-from gpukit.select import Criteria, claim
+from gpukit.gpus.claims import current_claims, holder_of, lock_dir
+from gpukit.gpus.inventory import GpuProcess, Inventory, inventory
+from gpukit.gpus.select import Criteria, claim
+from gpukit.gpus.waiting import Ticket, wait_and_claim
 
 ROOT = Path(__file__).resolve().parent.parent
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -37,7 +37,7 @@ def locks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def _holder_process(uuid: str) -> subprocess.Popen[str]:
     """Another process that claims ``uuid`` and then sleeps, printing 'held' once it holds it."""
     code = (
-        "import sys, time; from gpukit.claims import claim; "
+        "import sys, time; from gpukit.gpus.claims import claim; "
         f"c = claim([{uuid!r}], command='other job'); print('held', flush=True); time.sleep(60)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -133,7 +133,7 @@ def test_claim_refuses_things_that_are_not_gpus() -> None:
 def test_waiters_are_counted_in_arrival_order_and_a_dead_one_is_skipped() -> None:
     first = Ticket()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    code = "from gpukit._waiting import Ticket; t = Ticket(); print('in', flush=True); input()"
+    code = "from gpukit.gpus.waiting import Ticket; t = Ticket(); print('in', flush=True); input()"
     middle = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,

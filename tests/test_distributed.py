@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
 
 from gpukit import distributed as dist
-from gpukit._dist_data import kept_mask, per_device_size
-from gpukit._dist_env import read_env
-from gpukit._launch import _failures
+from gpukit.distributed.data import kept_mask, per_device_size
+from gpukit.distributed.env import read_env
+from gpukit.distributed.launcher import _failures
 from gpukit.errors import DistributedError, InvalidArgumentError
 
 TORCHRUN = {

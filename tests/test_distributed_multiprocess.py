@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gpukit._launch import free_port
+from gpukit.distributed.launcher import free_port
 
 pytestmark = pytest.mark.slow
 

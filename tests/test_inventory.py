@@ -10,7 +10,7 @@ import pytest
 
 import gpukit as gk
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
-from gpukit.inventory import SCHEMA, Inventory, inventory, inventory_json
+from gpukit.gpus.inventory import SCHEMA, Inventory, inventory, inventory_json
 
 MACHINES = sorted((Path(__file__).parent / "fixtures" / "machines").glob("*.json"))
 # Machines whose every GPU NVML reads in full (one-lost has its own test).
@@ -197,7 +197,7 @@ def test_an_unreadable_fake_machine_file_names_the_variable(
 
 def test_from_json_refuses_another_schema() -> None:
     with pytest.raises(InvalidArgumentError, match="schema"):
-        Inventory.from_json({"schema": "gpukit.inventory/999", "gpus": []})
+        Inventory.from_json({"schema": "gpukit.gpus.inventory/999", "gpus": []})
 
 
 def test_from_json_ignores_fields_added_by_a_newer_writer(
@@ -233,11 +233,11 @@ def test_gpu_lookup_by_index_or_uuid_prefix(
 def test_gk_inventory_stays_callable_after_the_module_is_imported(
     monkeypatch: pytest.MonkeyPatch, machines_dir: Path
 ) -> None:
-    import gpukit.inventory  # binds gk.inventory to the module, as any import would
+    import gpukit.gpus.inventory  # binds gk.inventory to the module, as any import would
 
     _use(monkeypatch, machines_dir / "kaggle-2xT4-idle.json")
     assert len(gk.inventory().gpus) == 2
-    assert gpukit.inventory.Inventory is gk.Inventory
+    assert gpukit.gpus.inventory.Inventory is gk.Inventory
 
 
 def test_a_lost_gpu_is_reported_without_hiding_the_others(

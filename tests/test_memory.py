@@ -11,7 +11,7 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.errors import DeviceError, InvalidArgumentError
-from gpukit.memory import MemoryReport
+from gpukit.memory.report import MemoryReport
 
 MiB = 1 << 20
 

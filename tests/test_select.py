@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gpukit as gk
-from gpukit.claims import Holder
 from gpukit.errors import InvalidArgumentError, NoDriverError, NoGpuAvailableError
-from gpukit.inventory import Inventory, inventory
-from gpukit.select import Criteria, assess, parse_size, pick
+from gpukit.gpus.claims import Holder
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.select import Criteria, assess, parse_size, pick
 
 ROOT = Path(__file__).resolve().parent.parent
 MACHINES = sorted((Path(__file__).parent / "fixtures" / "machines").glob("*.json"))
@@ -216,7 +216,7 @@ def test_parse_size_is_exact_for_whole_numbers_of_any_binary_unit(number: int, u
 
 def test_selection_and_the_commands_never_import_torch() -> None:
     code = (
-        "import sys; import gpukit, gpukit.select, gpukit.claims, gpukit._waiting, "
+        "import sys; import gpukit, gpukit.gpus.select, gpukit.gpus.claims, gpukit.gpus.waiting, "
         "gpukit.cli.pick, gpukit.cli.run; gpukit.pick; gpukit.claim; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import gpukit as gk
 from gpukit.errors import CudaAlreadyInitializedError, NoDriverError, VisibleDevicesError
-from gpukit.inventory import Inventory, inventory
-from gpukit.visible import cuda_order, parse_visible_devices, resolve
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.visible import cuda_order, parse_visible_devices, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 UseMachine = Callable[[str], Inventory]
@@ -234,8 +234,8 @@ def test_set_visible_devices_to_the_current_value_is_allowed_after_cuda_started(
 
 def test_visible_and_inventory_never_import_torch() -> None:
     code = (
-        "import sys, gpukit.visible, gpukit.inventory, gpukit.errors;"
-        "gpukit.visible.set_visible_devices([0]);"
+        "import sys, gpukit.gpus.visible, gpukit.gpus.inventory, gpukit.errors;"
+        "gpukit.gpus.visible.set_visible_devices([0]);"
         "print('torch' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

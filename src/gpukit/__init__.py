@@ -46,14 +46,14 @@ _EXPORTS: dict[str, str] = {
     # repro
     "seed_everything": "gpukit.repro",
     # visible devices
-    "visible_devices": "gpukit.visible",
-    "set_visible_devices": "gpukit.visible",
-    "physical_index": "gpukit.visible",
+    "visible_devices": "gpukit.gpus.visible",
+    "set_visible_devices": "gpukit.gpus.visible",
+    "physical_index": "gpukit.gpus.visible",
     # inventory and selection
-    "inventory": "gpukit.inventory",
-    "Inventory": "gpukit.inventory",
-    "pick": "gpukit.select",
-    "claim": "gpukit.select",
+    "inventory": "gpukit.gpus.inventory",
+    "Inventory": "gpukit.gpus.inventory",
+    "pick": "gpukit.gpus.select",
+    "claim": "gpukit.gpus.select",
     # parallel
     "DataParallel": "gpukit.parallel.data_parallel",
     # checkpoints

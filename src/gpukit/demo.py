@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpukit.checkpoint import load, save
+from gpukit.checkpoint.api import load, save
 from gpukit.devices import device as parse_device
 from gpukit.devices import try_all_gpus
 from gpukit.errors import InvalidArgumentError

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.claims import claim
-from gpukit.inventory import inventory
+from gpukit.gpus.claims import claim
+from gpukit.gpus.inventory import inventory
 from tests.conftest import CliRunner
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.claims import claim, current_claims
 from gpukit.cli.run import _Status, ddp_command
+from gpukit.gpus.claims import claim, current_claims
 from tests.conftest import ROOT, CliRunner
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
@@ -108,7 +108,7 @@ def test_run_holds_the_claim_for_the_command_life_and_not_after(
     run_cli: CliRunner, locks: Path
 ) -> None:
     check = (
-        "import os; from gpukit.claims import current_claims; "
+        "import os; from gpukit.gpus.claims import current_claims; "
         "print(sorted(h.command for h in current_claims().values()))"
     )
     done = run_cli("run", "--", *_py(check), env=dict(_env(locks)))

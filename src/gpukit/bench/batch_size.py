@@ -14,9 +14,9 @@ from unittest import mock
 
 import torch
 
-import gpukit.batch_size as _batch_size
-from gpukit.batch_size import find_batch_size
+import gpukit.memory.batch_size as _batch_size
 from gpukit.bench.core import BenchResult
+from gpukit.memory.batch_size import find_batch_size
 
 SUITE = "batch_size"
 MAXIMUM = 4096
@@ -63,7 +63,7 @@ def run(quick: bool = False) -> list[BenchResult]:
         mock.patch.object(_batch_size, "_free_between_tries", return_value=None),
         mock.patch("accelerate.utils.memory.clear_device_cache", return_value=None),
     ):
-        logging.getLogger("gpukit.memory").setLevel(logging.WARNING)
+        logging.getLogger("gpukit.memory.report").setLevel(logging.WARNING)
         for limit in limits:
             ours, our_tries = _gpukit(limit)
             theirs, their_tries = _accelerate(limit)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from gpukit.bench.core import BenchResult, compare
-from gpukit.checkpoint import load, save
+from gpukit.checkpoint.api import load, save
 
 SUITE = "checkpoint"
 _WIDTH = 2048  # one Linear(2048, 2048) holds 16 MiB of float32 weights

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from gpukit.errors import GpukitError
+
 
 def console(*, stderr: bool = False) -> Console:
     """A rich console for human output.
@@ -73,3 +75,11 @@ def say_if_fake(command: str) -> None:
             f"gpukit {command}: reading a fake machine from {fake} (GPUKIT_FAKE_NVML).",
             file=sys.stderr,
         )
+
+
+def print_error(command: str, exc: GpukitError) -> int:
+    """Print ``exc`` on stderr as its message, one line per GPU, then the next step."""
+    print(f"gpukit {command}: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(exc.hint, file=sys.stderr)
+    return int(exc.exit_code)

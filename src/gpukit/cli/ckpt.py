@@ -19,7 +19,7 @@ from gpukit.errors import CheckpointError
 if TYPE_CHECKING:
     from rich.tree import Tree
 
-    from gpukit._ckpt_io import RawCheckpoint
+    from gpukit.checkpoint.io import RawCheckpoint
 
 SCHEMA = "gpukit.ckpt.show/1"
 _WRAPPER_OF = {
@@ -54,7 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _read(path: Path, trust: bool) -> RawCheckpoint:
     import torch
 
-    from gpukit._ckpt_io import read
+    from gpukit.checkpoint.io import read
 
     return read(path, target=torch.device("cpu"), trust=trust)
 
@@ -91,7 +91,7 @@ def _describe(value: object) -> str:
 
 
 def _payload(raw: RawCheckpoint) -> dict[str, Any]:
-    from gpukit._ckpt_keys import clean_keys, find_state_dict
+    from gpukit.checkpoint.keys import clean_keys, find_state_dict
 
     found = True
     try:
@@ -193,9 +193,9 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from gpukit._ckpt_io import SAFETENSORS, suffix_format
-    from gpukit._ckpt_keys import find_state_dict
-    from gpukit.checkpoint import save
+    from gpukit.checkpoint.api import save
+    from gpukit.checkpoint.io import SAFETENSORS, suffix_format
+    from gpukit.checkpoint.keys import find_state_dict
 
     fmt = suffix_format(args.output)
     raw = _read(args.input, args.trust)
@@ -227,7 +227,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _prefixes(obj: object) -> list[str]:
-    from gpukit._ckpt_keys import clean_keys, find_state_dict
+    from gpukit.checkpoint.keys import clean_keys, find_state_dict
 
     try:
         state, _ = find_state_dict(obj)

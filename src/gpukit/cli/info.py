@@ -18,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def collect() -> tuple[dict[str, Any], list[Any]]:
     """The whole report (torch's view of the devices beside the driver's) and memory reports."""
     from gpukit.errors import NoDriverError, NvmlError
-    from gpukit.inventory import inventory
+    from gpukit.gpus.inventory import inventory
     from gpukit.sysinfo import system_info
 
     info = system_info()
@@ -32,7 +32,7 @@ def collect() -> tuple[dict[str, Any], list[Any]]:
 
 
 def _memory_reports(info: dict[str, Any]) -> list[Any]:
-    from gpukit.memory import memory_report
+    from gpukit.memory.report import memory_report
 
     devices = ["cpu"] + [f"cuda:{d['index']}" for d in info["cuda"]["devices"]]
     return [memory_report(device, top=5) for device in devices]
@@ -125,9 +125,9 @@ def _render(info: dict[str, Any]) -> None:
 
 
 def _render_nvml(out: Any, nvml: dict[str, Any]) -> None:
-    from gpukit.cli.list_gpus import build_table
-    from gpukit.inventory import Inventory
-    from gpukit.visible import visible_devices
+    from gpukit.cli._gpu_table import build_table
+    from gpukit.gpus.inventory import Inventory
+    from gpukit.gpus.visible import visible_devices
 
     out.print()
     if nvml.get("available") is False:

@@ -27,13 +27,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from gpukit._waiting import wait_and_claim
-from gpukit.claims import Claim, claim, current_claims
-from gpukit.cli._output import say_if_fake
-from gpukit.cli.pick import add_criteria, criteria_from, print_error
+from gpukit.cli._criteria import add_criteria, criteria_from
+from gpukit.cli._output import print_error, say_if_fake
 from gpukit.errors import ClaimError, GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.inventory import Inventory, inventory
-from gpukit.select import Criteria, choose
+from gpukit.gpus.claims import Claim, claim, current_claims
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.select import Criteria, choose
+from gpukit.gpus.waiting import wait_and_claim
 
 POLL_VAR = "GPUKIT_POLL_INTERVAL"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -12,7 +12,7 @@ Without criteria a GPU qualifies only when it is idle: no process holds memory o
 0 % utilisation whose memory a process holds is *busy* (an open notebook, a paused run), the
 case that pickers reading only utilisation get wrong. Give ``min_free`` to share GPUs by memory
 (processes then do not count unless ``max_processes`` is also given). GPUs claimed by another
-gpukit process (:func:`gpukit.claims.claim`) are taken, even before their job allocates memory.
+gpukit process (:func:`gpukit.gpus.claims.claim`) are taken, even before their job allocates memory.
 
 Nothing here imports torch.
 """
@@ -24,9 +24,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from gpukit.claims import Claim, Holder, claim, current_claims
 from gpukit.errors import InvalidArgumentError, NoGpuAvailableError
-from gpukit.inventory import GPU, Inventory
+from gpukit.gpus.claims import Claim, Holder, claim, current_claims
+from gpukit.gpus.inventory import GPU, Inventory
 
 __all__ = [
     "Claim",
@@ -337,7 +337,7 @@ def pick(
         min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
     )
     if inventory is None:
-        from gpukit.inventory import inventory as read_inventory
+        from gpukit.gpus.inventory import inventory as read_inventory
 
         inventory = read_inventory()
     if claims is None:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gpukit._memstats import proc_memory, reset_peak_rss
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
 from gpukit.errors import InvalidArgumentError
+from gpukit.memory.stats import proc_memory, reset_peak_rss
 
 __all__ = ["PeakMemory", "track_peak"]
 

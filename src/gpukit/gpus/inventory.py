@@ -6,27 +6,25 @@
 [(0, 'Tesla T4', 16104030208), (1, 'Tesla T4', 16104030208)]
 
 Indices are NVML's, the order of ``nvidia-smi`` (PCI bus order); CUDA's own numbering can
-differ, see :mod:`gpukit.visible`. A reading a device cannot give is ``None`` ("n/a"), never an
+differ, see :mod:`gpukit.gpus.visible`. A reading a device cannot give is ``None`` ("n/a"), never an
 exception. nvidia-ml-py is imported on first use and torch never, so ``gpukit list`` starts fast.
 
 Setting ``GPUKIT_FAKE_NVML=<machine description file>`` makes every reading in the process come
-from that description instead (see :mod:`gpukit._fake_nvml`).
+from that description instead (see :mod:`gpukit.gpus.fake_nvml`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
 
-SCHEMA = "gpukit.inventory/1"
+SCHEMA = "gpukit.gpus.inventory/1"
 """The ``schema`` field of :meth:`Inventory.to_json`; the number grows when a field changes."""
 
 
@@ -208,7 +206,7 @@ def _load_nvml() -> tuple[Any, str]:
     """The pynvml module (or the fake one) and a name for where readings come from."""
     fake = os.environ.get("GPUKIT_FAKE_NVML")
     if fake:
-        from gpukit._fake_nvml import FakeNvml
+        from gpukit.gpus.fake_nvml import FakeNvml
 
         return FakeNvml.from_file(fake), f"fake:{fake}"
     try:
@@ -415,18 +413,3 @@ def inventory() -> Inventory:
 def inventory_json() -> dict[str, Any]:
     """:func:`inventory` as a JSON-able dict (with its ``schema``); raises NoDriverError."""
     return inventory().to_json()
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`inventory`.
-
-    ``gk.inventory`` is the function until something runs ``import gpukit.inventory``; from then
-    on Python binds the package attribute to this module. Calling the module keeps
-    ``gk.inventory()`` working either way.
-    """
-
-    def __call__(self) -> Inventory:
-        return inventory()
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -76,7 +76,7 @@ def load_description(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("gpus", []), list):
         raise InvalidArgumentError(
             f"{ENV_VAR}={path} is not a machine description: it needs a 'gpus' list.",
-            hint="See the format in the gpukit._fake_nvml module docstring.",
+            hint="See the format in the gpukit.gpus.fake_nvml module docstring.",
         )
     return data
 

@@ -1,21 +1,7 @@
-"""One process per device, on one machine or many: ``gk.distributed``, on torch.distributed.
+"""The process group: join it, ask who this process is, and prepare a model and data for it.
 
-The same script runs with ``python train.py`` (one process, nothing to set up) and with
-``torchrun --nproc-per-node=N train.py`` (N processes joined in a process group)::
-
-    import gpukit as gk
-    from gpukit import distributed as dist
-
-    dist.init()
-    model, opt, loader = dist.prepare(model, opt, loader, per_device_batch_size=32)
-    for epoch in range(3):
-        for x, y in loader:          # this process's shard, already on its device
-            loss = loss_fn(model(x), y)
-            opt.zero_grad(); loss.backward(); opt.step()   # DDP averages the gradients
-        dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss):.3f}")
-
-Process groups, rendezvous and launching are torch.distributed's and torchrun's; this module
-only reads their environment, picks the backend and device, and wires the model and data.
+Process groups and rendezvous are torch.distributed's and torchrun's; this module only reads
+their environment, picks the backend and device, and wires the model and data.
 """
 
 from __future__ import annotations
@@ -33,10 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from gpukit._dist_data import DistributedLoader, active_loader, per_device_size
-from gpukit._dist_env import LaunchEnv, read_env
-from gpukit._launch import free_port, launch
 from gpukit.devices import device as _auto_device
+from gpukit.distributed.data import DistributedLoader, active_loader, per_device_size
+from gpukit.distributed.env import LaunchEnv, read_env
 from gpukit.errors import DistributedError, InvalidArgumentError
 from gpukit.transfer import to_device
 
@@ -46,15 +31,12 @@ Opt = TypeVar("Opt", bound=Optimizer)
 
 __all__ = [
     "DistributedContext",
-    "DistributedLoader",
     "all_reduce_mean",
     "barrier",
-    "free_port",
     "gather_for_metrics",
     "get_logger",
     "init",
     "is_main",
-    "launch",
     "local_rank",
     "prepare",
     "print_main",

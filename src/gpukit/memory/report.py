@@ -21,12 +21,12 @@ from typing import Any, TypeGuard, TypeVar
 import torch
 from torch import nn
 
-from gpukit._memstats import cuda_stats, proc_memory
-from gpukit.batch_size import find_batch_size, is_out_of_memory
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
 from gpukit.errors import InvalidArgumentError
-from gpukit.peak import PeakMemory, track_peak
+from gpukit.memory.batch_size import find_batch_size, is_out_of_memory
+from gpukit.memory.peak import PeakMemory, track_peak
+from gpukit.memory.stats import cuda_stats, proc_memory
 
 __all__ = [
     "FreedReport",

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from gpukit import __version__
-from gpukit._ckpt_io import SAFETENSORS, atomic_write, read, suffix_format
-from gpukit._ckpt_keys import (
+from gpukit.checkpoint.io import SAFETENSORS, atomic_write, read, suffix_format
+from gpukit.checkpoint.keys import (
     clean_keys,
     copy_metadata,
     find_state_dict,
@@ -30,8 +30,8 @@ from gpukit._ckpt_keys import (
     match_keys,
     unwrap,
 )
-from gpukit._ckpt_report import LoadReport, mismatch_error
-from gpukit._ckpt_safetensors import write_safetensors
+from gpukit.checkpoint.report import LoadReport, mismatch_error
+from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.devices import DeviceLike, device, module_device
 from gpukit.errors import CheckpointError, InvalidArgumentError, MixedDevicesError
 

@@ -4,7 +4,7 @@ torchrun (and ``gk.distributed.launch``) set ``RANK``, ``WORLD_SIZE``, ``LOCAL_R
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``. SLURM's ``srun`` sets
 ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID`` instead, and leaves the address of the
 rendezvous to the job script. Nothing here starts a process group: that is ``torch.distributed``'s
-job, called from :mod:`gpukit.distributed`.
+job, called from :mod:`gpukit.distributed.process_group`.
 """
 
 from __future__ import annotations

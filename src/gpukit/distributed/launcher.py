@@ -56,7 +56,7 @@ def _worker(fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], re
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from gpukit import distributed
+    from gpukit.distributed.process_group import init
 
     folder = Path(reports)
     rank = os.environ.get("RANK", "0")
@@ -65,7 +65,7 @@ def _worker(fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], re
     @record  # also writes the exception to the agent's error file, as torchrun does
     def run() -> R:
         try:
-            distributed.init(backend=backend)
+            init(backend=backend)
             try:
                 return fn(*args)
             finally:

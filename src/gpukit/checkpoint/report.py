@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpukit._ckpt_keys import nearest
+from gpukit.checkpoint.keys import nearest
 from gpukit.errors import CheckpointError
 
 __all__ = ["LoadReport", "mismatch_error"]

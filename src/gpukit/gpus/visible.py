@@ -32,7 +32,7 @@ from gpukit.errors import (
 )
 
 if TYPE_CHECKING:
-    from gpukit.inventory import GPU, Inventory
+    from gpukit.gpus.inventory import GPU, Inventory
 
 VAR = "CUDA_VISIBLE_DEVICES"
 ORDER_VAR = "CUDA_DEVICE_ORDER"
@@ -224,7 +224,7 @@ def visible_devices(inventory: Inventory | None = None) -> VisibleDevices:
     Without an NVIDIA driver, ``devices`` is ``None`` and only the parsed entries are given.
     """
     if inventory is None:
-        from gpukit.inventory import inventory as read_inventory
+        from gpukit.gpus.inventory import inventory as read_inventory
 
         try:
             inventory = read_inventory()
@@ -238,7 +238,7 @@ def physical_index(i: int, inventory: Inventory | None = None) -> int:
 
     For a MIG instance, the index of the GPU it belongs to. Raises NoDriverError without NVML.
     """
-    from gpukit.inventory import inventory as read_inventory
+    from gpukit.gpus.inventory import inventory as read_inventory
 
     if isinstance(i, bool) or not isinstance(i, int):
         raise InvalidArgumentError(

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from gpukit.claims import Claim, claim, current_claims, lock_dir, shared_dir
 from gpukit.errors import ClaimError, NoGpuAvailableError, WaitTimeoutError
-from gpukit.inventory import Inventory, inventory
-from gpukit.select import Criteria, Verdict, assess, best_first, no_gpu_error
+from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir, shared_dir
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
 
 _TICKET = ".ticket"
 

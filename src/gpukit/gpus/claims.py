@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from gpukit.errors import ClaimError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    from gpukit.inventory import GPU
+    from gpukit.gpus.inventory import GPU
 
 LOCK_DIR_VAR = "GPUKIT_LOCK_DIR"
 _SHARED_DIR_MODE = 0o1777  # world-writable with the sticky bit, like /tmp

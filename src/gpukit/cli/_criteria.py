@@ -1,0 +1,54 @@
+"""The options that choose GPUs, shared by ``gpukit pick`` and ``gpukit run``."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpukit.errors import InvalidArgumentError
+from gpukit.gpus.select import ORDERS, Criteria
+
+
+def add_criteria(parser: argparse.ArgumentParser) -> None:
+    """The options shared by ``gpukit pick`` and ``gpukit run``: how many GPUs, and which."""
+    group = parser.add_argument_group("which GPUs")
+    group.add_argument("-n", "--gpus", type=int, default=1, metavar="N", help="how many (1)")
+    group.add_argument(
+        "--min-free", metavar="SIZE", help='at least this much free memory, e.g. "20GiB", "500MB"'
+    )
+    group.add_argument("--max-util", type=float, metavar="PCT", help="at most this utilisation")
+    group.add_argument(
+        "--max-processes",
+        type=int,
+        metavar="N",
+        help="at most N processes already on it (default 0, or any with --min-free)",
+    )
+    group.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="IDS",
+        help="never these GPUs: indices or UUIDs, comma separated; repeatable",
+    )
+    group.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="free",
+        help="best first by: free memory (default), utilisation, or index",
+    )
+
+
+def criteria_from(args: argparse.Namespace) -> Criteria:
+    """The Criteria the options ask for."""
+    if args.gpus < 1:
+        raise InvalidArgumentError(f"-n {args.gpus} asks for no GPU.", hint="Use -n 1 or more.")
+    exclude: list[int | str] = []
+    for item in ",".join(args.exclude).split(","):
+        item = item.strip()
+        if item:
+            exclude.append(int(item) if item.isdigit() else item)
+    return Criteria.make(
+        min_free=args.min_free,
+        max_util=args.max_util,
+        max_processes=args.max_processes,
+        exclude=exclude,
+    )

@@ -1,0 +1,29 @@
+"""Memory: what a device holds and who holds it, the peak of a block, freeing, batch sizes.
+
+``report`` builds memory reports and frees objects; ``peak`` tracks the peak of a block;
+``batch_size`` finds the largest batch that fits; ``stats`` reads the allocator and the process.
+"""
+
+from gpukit.memory.report import (
+    FreedReport,
+    MemoryReport,
+    PeakMemory,
+    TensorInfo,
+    find_batch_size,
+    free_memory,
+    is_out_of_memory,
+    memory_report,
+    track_peak,
+)
+
+__all__ = [
+    "FreedReport",
+    "MemoryReport",
+    "PeakMemory",
+    "TensorInfo",
+    "find_batch_size",
+    "free_memory",
+    "is_out_of_memory",
+    "memory_report",
+    "track_peak",
+]
