@@ -138,6 +138,13 @@ def check_folder(info: os.stat_result, path: Path) -> None:
 
 
 def _create_folder(path: Path) -> None:
+    blocker = next((p for p in path.parents if os.path.lexists(p) and not p.is_dir()), None)
+    if blocker is not None:
+        raise LockFolderError(
+            f"Cannot create the lock folder {path}: {blocker} is not a folder.",
+            hint="Set GPUKIT_LOCK_DIR (or lock_dir in /etc/gpukit/config.toml) to a path whose "
+            "parents are folders.",
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
