@@ -253,3 +253,41 @@ def test_a_lock_file_another_user_made_private_is_a_lock_folder_error(public_tmp
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert stat.S_IMODE(private.stat().st_mode) == 0o600
+
+
+@as_root
+@pytest.mark.parametrize(
+    "wait", [[], ["--wait", "--settle", "1", "--timeout", "5"]], ids=["now", "wait"]
+)
+def test_gpukit_run_in_a_lock_folder_you_cannot_write_exits_5(
+    public_tmp: Path, locks: Path, wait: list[str], capfd: pytest.CaptureFixture[str]
+) -> None:
+    from gpukit.cli.main import main
+
+    # Run once as root first: what Python imports on the way is under root's home, which the
+    # other user cannot read.
+    assert main(["run", "-n", "1", *wait, "--", "true"]) == 0
+    folder = public_tmp / "locks"
+    folder.mkdir()
+    folder.chmod(0o755)  # root's: other users may read it, not add lock files to it
+    machine = public_tmp / "machine.json"
+    shutil.copy(L4, machine)
+    machine.chmod(0o644)
+    capfd.readouterr()
+    pid = os.fork()
+    if pid == 0:  # an ordinary user
+        code = 99
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.environ.update(GPUKIT_LOCK_DIR=str(folder), GPUKIT_FAKE_NVML=str(machine))
+            code = main(["run", "-n", "1", *wait, "--", "true"])
+        except BaseException:
+            code = 98
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    err = capfd.readouterr().err
+    assert os.waitstatus_to_exitcode(status) == 5, err
+    assert "permission denied" in err
+    assert "Traceback" not in err
