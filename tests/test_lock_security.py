@@ -157,6 +157,7 @@ HOSTILE_RECORDS = [
     b'{"user": "eve\\u001b[2J\\u001b[31m", "pid": 1e400, "command": "\\u0007run", "since": NaN}',
     b"[" * 100_000 + b"]" * 100_000,
     b'{"pid": ' + b"9" * 5000 + b"}",
+    b'{"pid": ' + b"9" * 400 + b', "since": -' + b"9" * 400 + b"}",
     b'"just a string"',
     b"\xff\xfe not utf-8",
     b'{"pid": true, "since": -5, "user": ""}',
@@ -184,7 +185,11 @@ def test_control_characters_in_a_record_are_shown_as_question_marks() -> None:
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.floats() | st.integers() | st.text(),
+    st.none()
+    | st.booleans()
+    | st.floats()
+    | st.integers(min_value=-(10**400), max_value=10**400)
+    | st.text(),
     lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
     max_leaves=10,
 )
