@@ -362,3 +362,39 @@ def test_the_wait_status_in_a_log_is_a_plain_line_per_change(
         "gpukit run: 0 of 4 qualify",
         "gpukit run: 1 of 4 qualify",
     ]
+
+
+def test_run_wait_for_more_gpus_than_nvml_can_read_fails_at_once_with_4(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    env = dict(_env(locks, MACHINES / "kaggle-2xT4-one-lost.json"))
+    done = run_cli("run", "-n", "2", "--wait", "--", "true", env=env, timeout=60)
+    assert done.returncode == 4, done.stderr
+    assert "GPU 1: unreadable by NVML" in done.stderr
+    assert "Waiting cannot help: only 1 could ever qualify" in done.stderr
+
+
+@pytest.mark.parametrize("exclude", ["7", "²", "GPU-ffff", "0,9"])
+@pytest.mark.parametrize("command", ["run", "pick"])
+def test_an_exclusion_the_machine_does_not_have_is_a_usage_error(
+    run_cli: CliRunner, locks: Path, exclude: str, command: str
+) -> None:
+    tail = ["--wait", "--", "true"] if command == "run" else []
+    done = run_cli(command, "--exclude", exclude, *tail, env=dict(_env(locks)), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "Cannot exclude" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert current_claims(locks) == {}
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-2"])
+@pytest.mark.parametrize("wait", [(), ("--wait",), ("--poll", "1")], ids=["now", "wait", "poll"])
+def test_run_refuses_a_poll_interval_variable_that_is_not_seconds_in_one_line(
+    run_cli: CliRunner, locks: Path, value: str, wait: tuple[str, ...]
+) -> None:
+    env = {**_env(locks), "GPUKIT_POLL_INTERVAL": value}
+    done = run_cli("run", *wait, "--", "true", env=dict(env), timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "fake machine" not in line]
+    assert len(lines) == 1, done.stderr
+    assert "GPUKIT_POLL_INTERVAL" in lines[0]
