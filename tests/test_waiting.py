@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpukit.errors import LockFolderError
 from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import user_name
@@ -195,12 +196,16 @@ def test_links_fifos_and_folders_among_tickets_change_nothing_and_never_block(
         assert honest.ahead() == 0
 
 
-def test_a_queue_folder_that_is_a_link_is_not_followed(locks: Path, tmp_path: Path) -> None:
+def test_a_queue_folder_that_is_a_link_is_refused_not_followed(locks: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     with Ticket(elsewhere):
         locks.mkdir()
         (locks / "queue").symlink_to(elsewhere / "queue")
-        assert read_line(locks).waiters == ()
+        with pytest.raises(LockFolderError, match="symbolic link") as info:
+            read_line(locks)
+        assert info.value.exit_code == 5
+        with pytest.raises(LockFolderError, match="symbolic link"):
+            Ticket(locks)
         assert len(read_line(elsewhere).waiters) == 1
 
 

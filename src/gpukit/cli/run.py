@@ -31,6 +31,7 @@ from gpukit.cli._output import print_error, say_if_fake
 from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
 from gpukit.gpus.acquire import POLL_VAR, acquire, poll_interval
 from gpukit.gpus.inventory import inventory
+from gpukit.gpus.policy import load_policy
 
 _PYTHONS = ("python", "python3")
 
@@ -170,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         if args.cpu_ok:
             return _cpu_only(args, cmd, exc)
         raise
+    ignored = load_policy().ignored
+    if ignored:  # a co-user's policy.toml: not a policy, but the administrator may want to know
+        print(f"gpukit run: warning: {ignored}", file=sys.stderr)
     waits = args.wait or args.timeout is not None
     status = _Status()
     try:

@@ -31,7 +31,6 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import math
@@ -46,11 +45,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gpukit.errors import ClaimError, NoGpuAvailableError, UserLimitError, WaitTimeoutError
+from gpukit.errors import (
+    ClaimError,
+    LockFolderError,
+    NoGpuAvailableError,
+    UnsafeLockFileError,
+    UserLimitError,
+    WaitTimeoutError,
+)
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir, shared_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.policy import Policy, holdings, user_name
+from gpukit.gpus.lockfiles import open_folder, open_lock_file
+from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.gpus.policy import Policy, holdings
 from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
 
 __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
@@ -59,8 +67,7 @@ TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
 _SUFFIX = ".ticket"
 _MAX_RECORD = 64 * 1024
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TICKET_MODE = 0o644  # others read it (and lock it shared, to probe); only its owner writes
 
 
 @dataclass(frozen=True)
@@ -113,22 +120,23 @@ def read_line(folder: Path | None = None) -> Line:
     """The line of waiters of the lock folder ``folder`` (default: the machine's), in order.
 
     Never blocks, never follows a link; what does not count as a waiter is in ``foreign``.
+    Raises LockFolderError when the queue folder is refused (a link, another user's folder
+    that others could write without the sticky bit).
 
     >>> [(w.position, w.user, w.n) for w in read_line().waiters]   # doctest: +SKIP
     [(1, 'alice', 2), (2, 'bob', 1)]
     """
     queue = _queue_of(folder)
+    if not os.path.lexists(queue):
+        return Line()  # no one has waited here yet
+    dir_fd = open_folder(queue)
     try:
-        dir_fd = os.open(queue, _DIR_FLAGS)
-    except OSError:
-        return Line()  # no one has waited here yet (or the folder is not one: nothing waits)
-    try:
-        return _read(dir_fd)
+        return _read(dir_fd, queue)
     finally:
         os.close(dir_fd)
 
 
-def _read(dir_fd: int, *, tidy: bool = False) -> Line:
+def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
     with os.scandir(dir_fd) as entries:
         listed = sorted((e.name, e.inode()) for e in entries if not e.name.startswith("."))
     # Read after the folder: a ticket is locked before its name appears, so every live ticket
@@ -143,9 +151,9 @@ def _read(dir_fd: int, *, tidy: bool = False) -> Line:
         if table is not None and not table.get(inode):
             foreign.append(Foreign(name, _unheld(dir_fd, name)))
             if tidy:
-                _remove_if_abandoned(dir_fd, name)
+                _remove_if_abandoned(dir_fd, queue, name)
             continue
-        waiter = _waiter(dir_fd, name, inode, table)
+        waiter = _waiter(dir_fd, queue, name, inode, table)
         if isinstance(waiter, str):
             foreign.append(Foreign(name, waiter))
         else:
@@ -175,28 +183,26 @@ def _unheld(dir_fd: int, name: str) -> str:
     return "not held by a live waiter" if stat.S_ISREG(mode) else _kind(mode)
 
 
-def _open_entry(dir_fd: int, name: str) -> int | str:
-    """The entry ``name`` opened read-only and checked, or why it is not a ticket.
+def _open_entry(dir_fd: int, queue: Path, name: str) -> int | str:
+    """The entry ``name`` opened read-only through :mod:`.lockfiles`, or why it is not a ticket.
 
     Never follows a link, never blocks (a FIFO), never keeps anything but a regular file with
     one link.
     """
     try:
-        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "a symbolic link"
-        return f"cannot be opened ({exc.strerror})"
-    info = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(info.st_mode):
-        why = _kind(info.st_mode)
-    elif info.st_nlink != 1:
-        why = f"a file with {info.st_nlink} hard links"
-    if why is not None:
-        os.close(fd)
-        return why
-    return fd
+        return open_lock_file(queue, name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return "gone"
+    except UnsafeLockFileError:
+        try:
+            info = os.lstat(name, dir_fd=dir_fd)
+        except OSError:
+            return "gone"
+        if stat.S_ISREG(info.st_mode):
+            return f"a file with {info.st_nlink} hard links"
+        return _kind(info.st_mode)
+    except LockFolderError as exc:
+        return f"cannot be opened ({exc.message})"
 
 
 def _record(data: bytes) -> dict[str, Any] | None:
@@ -225,9 +231,9 @@ def _record(data: bytes) -> dict[str, Any] | None:
 
 
 def _waiter(
-    dir_fd: int, name: str, inode: int, table: dict[int, frozenset[int]] | None
+    dir_fd: int, queue: Path, name: str, inode: int, table: dict[int, frozenset[int]] | None
 ) -> Waiter | str:
-    fd = _open_entry(dir_fd, name)
+    fd = _open_entry(dir_fd, queue, name)
     if isinstance(fd, str):
         return fd
     try:
@@ -271,9 +277,9 @@ def _waiter(
     )
 
 
-def _remove_if_abandoned(dir_fd: int, name: str) -> None:
+def _remove_if_abandoned(dir_fd: int, queue: Path, name: str) -> None:
     """Remove a ticket of this user whose waiter died (killed before it could tidy up)."""
-    fd = _open_entry(dir_fd, name)
+    fd = _open_entry(dir_fd, queue, name)
     if isinstance(fd, str):
         return
     try:
@@ -302,7 +308,7 @@ class Ticket:
         command: str | None = None,
     ) -> None:
         self.queue = shared_dir(shared_dir(lock_dir() if folder is None else Path(folder)) / QUEUE)
-        self._dir: int | None = os.open(self.queue, _DIR_FLAGS)
+        self._dir: int | None = open_folder(self.queue)
         name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
         uid = os.getuid()
         record = {
@@ -318,19 +324,24 @@ class Ticket:
         # Locked and written before it gets its visible name, so that no one ever sees it
         # unlocked or empty and takes it for an abandoned or forged ticket.
         hidden = f".{name}"
-        self._fd: int | None = os.open(
-            hidden,
-            os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-            dir_fd=self._dir,
-        )
+        self._fd: int | None = None
         try:
+            self._fd = open_lock_file(
+                self.queue,
+                hidden,
+                dir_fd=self._dir,
+                write=True,
+                create=True,
+                exclusive=True,
+                mode=_TICKET_MODE,
+            )
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             os.write(self._fd, json.dumps(record).encode())
             os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(hidden, dir_fd=self._dir)
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(hidden, dir_fd=self._dir)
             self.close()
             raise
         self.name = name
@@ -342,7 +353,7 @@ class Ticket:
         """The line as it stands now; tidies away this user's tickets whose waiters died."""
         if self._dir is None:
             return Line()
-        return _read(self._dir, tidy=True)
+        return _read(self._dir, self.queue, tidy=True)
 
     def waiters_ahead(self, line: Line) -> list[Waiter]:
         """The waiters of ``line`` that arrived before this one."""
