@@ -12,6 +12,7 @@ import gpukit as gk
 from gpukit.errors import PolicyError, UserLimitError
 from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.lockfiles import open_folder
 from gpukit.gpus.policy import Limits, Policy, holdings, load_policy, user_name
 from tests.conftest import ROOT
 
@@ -157,3 +158,93 @@ def test_the_queue_view_can_say_a_waiter_is_held_back_by_its_limit() -> None:
     assert policy.refusal(1002, 2, held) == "user limit 2 reached"
     assert policy.refusal(1003, 3, held) == "user limit 2 is below 3"
     assert Policy().refusal(1001, 8, held) is None
+
+
+_NOBODY = 65534
+_HOLD_AND_WAIT = """
+import sys
+from pathlib import Path
+from gpukit.gpus.claims import claim
+from gpukit.gpus.waiting import Ticket
+locks, uuid = Path(sys.argv[1]), sys.argv[2]
+held = claim([uuid], folder=locks)
+ticket = Ticket(locks, n=1, command="more please")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _as_nobody() -> None:
+    os.setgroups([])
+    os.setgid(_NOBODY)
+    os.setuid(_NOBODY)
+
+
+def _python_for_nobody() -> str | None:
+    """An interpreter another user may run (a virtual environment under /root is not)."""
+    import subprocess
+    import sys
+
+    for python in (sys.executable, "/usr/bin/python3"):
+        try:
+            probe = subprocess.run(
+                [python, "-c", "import gpukit.gpus.waiting"],
+                env={"PYTHONPATH": str(ROOT / "src")},
+                preexec_fn=_as_nobody,
+                capture_output=True,
+                check=False,
+            )
+        except OSError:
+            continue
+        if probe.returncode == 0:
+            return python
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as a second user needs root")
+def test_a_waiter_held_back_by_its_users_limit_does_not_hold_up_the_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import shutil
+    import subprocess
+    import tempfile
+
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip("no Python interpreter that another user may run")
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))
+    shared.chmod(0o755)
+    locks = shared / "locks"
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(locks))
+    other = None
+    try:
+        os.close(open_folder(locks, create=True))
+        _policy(locks, "[limits]\nmax_gpus_per_user = 1\n")
+        gpu0 = inventory().gpus[0].uuid
+        # nobody holds GPU 0 and waits in line for one more: its limit holds it back.
+        other = subprocess.Popen(
+            [python, "-c", _HOLD_AND_WAIT, str(locks), gpu0],
+            env={"PYTHONPATH": str(ROOT / "src")},
+            preexec_fn=_as_nobody,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert other.stdout is not None
+        assert other.stdout.readline() == "ready\n"
+        from gpukit.gpus.waiting import read_line
+
+        (first,) = read_line(locks).waiters
+        assert (first.uid, first.command) == (_NOBODY, "more please")
+        assert holdings(locks) == {_NOBODY: (gpu0,)}
+        assert load_policy(locks).refusal(first.uid, first.n, holdings(locks)) == (
+            "user limit 1 reached"
+        )
+        # Three GPUs are free: the next user in line is served at once, not behind nobody.
+        with gk.acquire(wait=True, timeout=20, poll=0.01, settle=1) as held:
+            assert gpu0 not in held.uuids
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+        shutil.rmtree(shared)

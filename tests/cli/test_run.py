@@ -398,3 +398,26 @@ def test_run_refuses_a_poll_interval_variable_that_is_not_seconds_in_one_line(
     lines = [line for line in done.stderr.splitlines() if "fake machine" not in line]
     assert len(lines) == 1, done.stderr
     assert "GPUKIT_POLL_INTERVAL" in lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_run_warns_about_a_policy_file_a_co_user_wrote_and_applies_no_limit(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    locks.mkdir(mode=0o1777)
+    policy = locks / "policy.toml"
+    policy.write_text("[limits]\nmax_gpus_per_user = 0\n")
+    os.chown(policy, 65534, 65534)
+    done = run_cli("run", "-n", "2", "--", "true", env=dict(_env(locks)))
+    assert done.returncode == 0, done.stderr
+    assert "warning:" in done.stderr
+    assert "it is not a policy and sets no limit" in done.stderr
+
+
+def test_run_past_the_users_limit_exits_4_naming_the_limit(run_cli: CliRunner, locks: Path) -> None:
+    locks.mkdir(mode=0o1777)
+    (locks / "policy.toml").write_text("[limits]\nmax_gpus_per_user = 1\n")
+    done = run_cli("run", "-n", "2", "--wait", "--", "true", env=dict(_env(locks)))
+    assert done.returncode == 4, done.stderr
+    assert "allows 1 per user (max_gpus_per_user)" in done.stderr
+    assert "Waiting cannot help" in done.stderr
