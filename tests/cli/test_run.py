@@ -421,3 +421,77 @@ def test_run_past_the_users_limit_exits_4_naming_the_limit(run_cli: CliRunner, l
     assert done.returncode == 4, done.stderr
     assert "allows 1 per user (max_gpus_per_user)" in done.stderr
     assert "Waiting cannot help" in done.stderr
+
+
+_FORGER = (
+    "import fcntl, json, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "record = json.loads(sys.argv[2]); record['pid'] = os.getpid()\n"
+    "os.write(fd, json.dumps(record).encode())\n"
+    "print('locked', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_forged_early_ticket_made_after_an_honest_waiter_does_not_delay_it(
+    locks: Path,
+) -> None:
+    import json
+
+    from gpukit.gpus.lockfiles import owner_name
+
+    uuids = _l4_uuids()
+    others = claim(uuids[1:], folder=locks)
+    held = claim(uuids[:1], folder=locks)
+    waiter = _spawn(locks, "run", "--wait", *FAST, "--", *_py("print('served')"))
+    _until(lambda: len(list((locks / "queue").glob("*.ticket"))) == 1)
+    record = {
+        "schema": "gpukit.ticket/1",
+        "user": owner_name(os.getuid()),
+        "uid": os.getuid(),
+        "n": 1,
+        "criteria": "",
+        "command": "jump",
+        "since": 0.0,
+    }
+    forged = locks / "queue" / "00000000000000000000-1-ffffffff.ticket"
+    forger = subprocess.Popen(
+        [sys.executable, "-c", _FORGER, str(forged), json.dumps(record)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert forger.stdout is not None
+        assert forger.stdout.readline() == "locked\n"
+        held.release()
+        out, err = waiter.communicate(timeout=30)
+        assert (waiter.returncode, out) == (0, "served\n"), err
+        assert forger.poll() is None  # served while the forged ticket was still held
+    finally:
+        forger.kill()
+        forger.wait()
+        others.release()
+
+
+def test_a_fifo_among_tickets_never_blocks_a_waiter_and_its_timeout_holds(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    (locks / "queue").mkdir(parents=True)
+    os.mkfifo(locks / "queue" / "00000000000000000000-1-ffffffff.ticket")
+    with claim(_l4_uuids(), folder=locks):
+        done = run_cli(
+            "run",
+            "--wait",
+            "--timeout",
+            "0.5",
+            *FAST,
+            "--",
+            "true",
+            env=dict(_env(locks)),
+            timeout=30,
+        )
+    assert done.returncode == 124, done.stderr
+    done = run_cli("run", "--wait", *FAST, "--", "true", env=dict(_env(locks)), timeout=30)
+    assert done.returncode == 0, done.stderr

@@ -22,6 +22,10 @@ a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
 :attr:`Line.foreign`. Nothing here waits on a file, so ``--timeout`` always holds. A waiter
 that dies (even by SIGKILL) loses its lock with its life: a dead waiter never blocks the line.
 
+The kernel's lock table names processes as this process's pid namespace sees them, so waiters
+in containers with pid namespaces of their own that share one lock folder do not see each
+other's tickets as live; give each such container its own GPUs, or share the pid namespace.
+
 What a co-user can still do: queue honestly (a live process of theirs holding a well-formed
 ticket is a waiter, shown with its user, pid and command) and hold real claims.
 
@@ -58,7 +62,7 @@ from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
-from gpukit.gpus.policy import Policy, holdings
+from gpukit.gpus.policy import Limits, Policy, holdings
 from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
 
 __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
@@ -421,6 +425,7 @@ def wait_and_claim(
             policy.explain(uid, n, holdings(folder)),
             hint="Waiting cannot help: ask for fewer GPUs, or ask the administrator.",
         )
+    limits = policy.limits != Limits()
     start = time.monotonic()
     streak: dict[str, int] = {}
     with Ticket(folder, n=n, criteria=criteria.describe(), command=command) as ticket:
@@ -430,7 +435,7 @@ def wait_and_claim(
             ready = best_first(
                 (v.gpu for v in verdicts if v.ok and streak[v.gpu.uuid] >= settle), order
             )
-            held = holdings(folder)
+            held = holdings(folder) if limits else {}
             ahead = sum(
                 policy.refusal(w.uid, w.n, held) is None
                 for w in ticket.waiters_ahead(ticket.line())
@@ -444,7 +449,7 @@ def wait_and_claim(
                 else:
                     # Another process of this user may have claimed meanwhile: never past
                     # the limit, even for a moment's race.
-                    if policy.refusal(uid, 0, holdings(folder)) is None:
+                    if not limits or policy.refusal(uid, 0, holdings(folder)) is None:
                         return got
                     got.release()
             qualify = sum(v.ok for v in verdicts)
