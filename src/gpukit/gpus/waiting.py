@@ -229,7 +229,11 @@ def _record(data: bytes) -> dict[str, Any] | None:
         value = raw.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             return None
-    if raw["n"] < 1 or not math.isfinite(raw["since"]):
+    try:
+        since = float(raw["since"])  # an int of 400 digits is no time: OverflowError
+    except OverflowError:
+        return None
+    if raw["n"] < 1 or not math.isfinite(since):
         return None
     return raw
 
