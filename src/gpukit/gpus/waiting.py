@@ -330,7 +330,8 @@ class Ticket:
             "since": time.time(),
         }
         # Locked and written before it gets its visible name, so that no one ever sees it
-        # unlocked or empty and takes it for an abandoned or forged ticket.
+        # unlocked or empty and takes it for an abandoned or forged ticket. Created private:
+        # a co-user who opened it first could hold a shared lock on it and block ours forever.
         hidden = f".{name}"
         self._fd: int | None = None
         try:
@@ -341,10 +342,11 @@ class Ticket:
                 write=True,
                 create=True,
                 exclusive=True,
-                mode=_TICKET_MODE,
+                mode=0o600,
             )
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(self._fd, json.dumps(record).encode())
+            os.fchmod(self._fd, _TICKET_MODE)
             os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except BaseException:
             if self._fd is not None:
