@@ -153,8 +153,13 @@ def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
             foreign.append(Foreign(name, "not a ticket"))
             continue
         if table is not None and not table.get(inode):
-            foreign.append(Foreign(name, _unheld(dir_fd, name)))
-            if tidy:
+            try:  # lstat: opens nothing, never blocks
+                info: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
+            except OSError:
+                info = None
+            foreign.append(Foreign(name, _unheld(info)))
+            mine = info is not None and info.st_uid == os.getuid()
+            if tidy and mine and info is not None and stat.S_ISREG(info.st_mode):
                 _remove_if_abandoned(dir_fd, queue, name)
             continue
         waiter = _waiter(dir_fd, queue, name, inode, table)
@@ -178,13 +183,11 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _unheld(dir_fd: int, name: str) -> str:
-    """Why an entry no process locks is not a ticket (``lstat``: opens nothing, never blocks)."""
-    try:
-        mode = os.lstat(name, dir_fd=dir_fd).st_mode
-    except OSError:
+def _unheld(info: os.stat_result | None) -> str:
+    """Why an entry no process locks (``info``: its ``lstat``, if still there) is no ticket."""
+    if info is None:
         return "gone"
-    return "not held by a live waiter" if stat.S_ISREG(mode) else _kind(mode)
+    return "not held by a live waiter" if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
 
 
 def _open_entry(dir_fd: int, queue: Path, name: str) -> int | str:
