@@ -185,12 +185,13 @@ def test_run_timeout_exits_124_and_leaves_no_claim_behind(run_cli: CliRunner, lo
 def test_run_wait_starts_the_command_once_a_gpu_is_released(locks: Path) -> None:
     held = claim(_l4_uuids(), folder=locks)
     proc = _spawn(locks, "run", "--wait", *FAST, "--", *_py("print('ran')"))
-    time.sleep(0.5)
+    assert proc.stderr is not None
+    seen = [proc.stderr.readline() for _ in range(2)]  # the fake machine, then the wait
+    assert "waiting for 1 GPU" in seen[1]  # plain lines in a log, not a live line
     assert proc.poll() is None  # still waiting
     held.release()
-    out, err = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=30)
     assert (proc.returncode, out) == (0, "ran\n")
-    assert "waiting for 1 GPU" in err  # plain lines in a log, not a live line
 
 
 def test_kill_9_of_a_running_gpukit_frees_its_gpu_at_once_for_the_next_waiter(
