@@ -16,7 +16,7 @@ from gpukit.parallel.apply import parallel_apply
 from gpukit.parallel.gather import gather_on
 from gpukit.parallel.replicate import replica_set
 from gpukit.parallel.scatter import scatter
-from gpukit.transfer import _Mover
+from gpukit.transfer import mover
 
 __all__ = ["DataParallel"]
 
@@ -107,9 +107,7 @@ class DataParallel(nn.Module):
         self._check_placement()
         first = self.device_ids[0]
         if len(self.device_ids) == 1:
-            args, kw = _Mover(first, "auto", False, frozenset(), frozenset()).walk(
-                (inputs, kwargs), None
-            )
+            args, kw = mover(first)((inputs, kwargs))
             return gather_on([self.module(*args, **kw)], self.output_device, self.dim)
         chunks = scatter((inputs, kwargs), self.device_ids, self.dim, min_chunk=self.min_chunk)
         if len(chunks) == 1:
