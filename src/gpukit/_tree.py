@@ -279,9 +279,9 @@ def map_with_paths(
 
 
 def leaves_with_paths(
-    data: Any, types: type | tuple[type, ...] = torch.Tensor
+    data: Any, types: type | tuple[type, ...] | None = torch.Tensor
 ) -> Iterator[tuple[KeyPath, Any]]:
-    """Every leaf of ``types`` in ``data`` with its key path, in walk order.
+    """Every leaf of ``types`` (``None``: every leaf) in ``data`` with its key path, in order.
 
     Walked with an explicit stack, so any depth is fine; a container met again inside itself is
     a typed error naming where.
@@ -291,11 +291,13 @@ def leaves_with_paths(
     while stack:
         path, obj, depth = stack.pop()
         del on_path[depth:]
-        if isinstance(obj, types):
+        if types is not None and isinstance(obj, types):
             yield path, obj
             continue
         kind = kind_of(obj)
         if kind == LEAF:
+            if types is None:
+                yield path, obj
             continue
         if id(obj) in on_path:
             raise _cycle_error(path, on_path.index(id(obj)))
@@ -316,7 +318,7 @@ def _cycle_error(path: KeyPath, depth: int) -> InvalidArgumentError:
 
 def _find_cycle(data: Any) -> InvalidArgumentError | None:
     try:
-        for _ in leaves_with_paths(data, ()):
+        for _ in leaves_with_paths(data, ()):  # no leaf wanted: only the walk
             pass
     except InvalidArgumentError as exc:
         return exc
