@@ -234,3 +234,7 @@ def test_tree_map_refuses_a_non_callable_fn_and_a_non_type() -> None:
 def test_format_path_shows_keys_positions_and_fields() -> None:
     assert _tree.format_path(("x", 0, "ids")) == "inputs['x'][0]['ids']"
     assert _tree.format_path((), "out") == "out"
+    data = {"pair": Point(Sample([1]), 2)}
+    assert _tree.format_path(("pair", "x", "inputs", 0), "batch", data) == (
+        "batch['pair'].x.inputs[0]"
+    )

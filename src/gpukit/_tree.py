@@ -179,9 +179,20 @@ def rebuild(obj: Any, kind: int, values: list[Any]) -> Any:
     raise AssertionError(f"rebuild of a leaf ({cls.__name__})")
 
 
-def format_path(path: KeyPath, root: str = "inputs") -> str:
-    """``("x", 0, "ids")`` as ``inputs['x'][0]['ids']``, for error messages."""
-    return root + "".join(f"[{key!r}]" for key in path)
+def format_path(path: KeyPath, root: str = "inputs", data: Any = None) -> str:
+    """``("x", 0, "ids")`` as ``inputs['x'][0]['ids']``, for error messages.
+
+    Given the ``data`` the path is in, fields of namedtuples and dataclasses read as
+    attributes: ``inputs['pair'].left``.
+    """
+    parts = [root]
+    node = data
+    for key in path:
+        kind = kind_of(node) if data is not None else MAPPING
+        parts.append(f".{key}" if kind in (NAMEDTUPLE, DATACLASS) else f"[{key!r}]")
+        if data is not None:
+            node = child(node, kind, key)
+    return "".join(parts)
 
 
 # -- mapping --------------------------------------------------------------------------------
