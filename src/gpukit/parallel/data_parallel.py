@@ -36,6 +36,9 @@ class DataParallel(nn.Module):
     ``min_chunk`` keeps chunks at least that large, for BatchNorm); replicas are built once
     and reused across steps; any output structure (dicts, dataclasses, namedtuples, scalars)
     is gathered; an error in a replica names its device; and it runs on CPU-only machines.
+    On distinct CUDA devices, parameters and buffers are broadcast in coalesced buckets and
+    inputs and outputs are scattered and gathered with ``torch.nn.parallel.comm``, as
+    ``nn.DataParallel`` does; CPU replicas and repeated devices copy tensor by tensor.
 
     Warning: this is one process with one thread per device, so Python code in ``forward``
     runs one replica at a time (the GIL). Updates that ``forward`` makes to the module's state

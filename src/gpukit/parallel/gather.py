@@ -12,6 +12,7 @@ from gpukit._tree import KeyPath, format_path
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
 from gpukit.errors import GatherError, InvalidArgumentError
+from gpukit.parallel import _cuda
 
 __all__ = ["gather"]
 
@@ -85,6 +86,10 @@ class _Gatherer:
                 "outputs but not in others.",
                 hint="Make the module return a tensor there for every chunk of the batch.",
             )
+        if len(items) > 1 and self._target.type == "cuda":
+            direct = _cuda.gather(items, self._dim, self._target)
+            if direct is not None:
+                return direct
         moved: list[torch.Tensor] = [item.to(self._target) for item in items]
         if all(t.dim() == 0 for t in moved):
             return torch.stack(moved)

@@ -11,6 +11,7 @@ from gpukit import _tree
 from gpukit._tree import KeyPath, format_path
 from gpukit.devices import DeviceLike, device_list
 from gpukit.errors import InvalidArgumentError, ScatterError
+from gpukit.parallel import _cuda
 from gpukit.transfer import _Mover
 
 T = TypeVar("T")
@@ -104,23 +105,29 @@ def scatter(
     if total is None:
         return [inputs]
     sizes = chunk_sizes(total, len(targets), min_chunk=min_chunk)
-    moves = [_Mover(t, "auto", False).leaf() for t in targets[: len(sizes)]]
+    used = targets[: len(sizes)]
+    moves = [_Mover(t, "auto", False).leaf() for t in used]
     if len(sizes) == 1:
         # The walk above found no cycle, so the mappers below need no guard.
         return [_tree.mapper(moves[0], torch.Tensor)(inputs)]
+    # On distinct GPUs each tensor is split and copied to all of them in one call.
+    indices = _cuda.cuda_indices(used)
     # Split each tensor once, on first use, rather than once per device. ``inputs`` keeps every
     # tensor alive for the whole call, so ids are stable keys here.
     splits: dict[int, tuple[torch.Tensor, ...]] = {}
 
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        parts = splits.get(id(t))
+        if parts is None:
+            if indices is not None and t.device.type in ("cpu", "cuda"):
+                parts = _cuda.scatter(t, indices, sizes, dim % t.dim())
+            else:
+                parts = torch.split(t, sizes, dim)
+            splits[id(t)] = parts
+        return parts
+
     def chunk_for(index: int) -> Callable[[torch.Tensor], torch.Tensor]:
         move = moves[index]
-
-        def leaf(t: torch.Tensor) -> torch.Tensor:
-            parts = splits.get(id(t))
-            if parts is None:
-                parts = splits[id(t)] = torch.split(t, sizes, dim)
-            return move(parts[index])
-
-        return leaf
+        return lambda t: move(split(t)[index])
 
     return [_tree.mapper(chunk_for(index), torch.Tensor)(inputs) for index in range(len(sizes))]
