@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
+import gpukit.parallel._cuda as _cuda
 from gpukit import _tree
 from gpukit._tree import KeyPath, format_path
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
 from gpukit.errors import GatherError, InvalidArgumentError
-from gpukit.parallel import _cuda
 
 __all__ = ["gather"]
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import gpukit.parallel._cuda as _cuda
 from gpukit.devices import DeviceLike, device_list
 from gpukit.errors import InvalidArgumentError
-from gpukit.parallel import _cuda
 
 __all__ = ["replicate"]
 

@@ -7,11 +7,11 @@ from typing import Any, TypeVar
 
 import torch
 
+import gpukit.parallel._cuda as _cuda
 from gpukit import _tree
 from gpukit._tree import KeyPath, format_path
 from gpukit.devices import DeviceLike, device_list
 from gpukit.errors import InvalidArgumentError, ScatterError
-from gpukit.parallel import _cuda
 from gpukit.transfer import _Mover
 
 T = TypeVar("T")
