@@ -139,9 +139,10 @@ def test_bad_skip_entry_is_rejected() -> None:
         gk.to_device({}, "cpu", skip=[1.5])
 
 
-def test_bad_non_blocking_is_rejected() -> None:
+@pytest.mark.parametrize("value", ["yes", 1, 0, None])
+def test_non_blocking_that_is_not_a_bool_or_auto_is_rejected(value: object) -> None:
     with pytest.raises(InvalidArgumentError, match="non_blocking"):
-        gk.to_device({}, "cpu", non_blocking="yes")  # type: ignore[arg-type]
+        gk.to_device({}, "cpu", non_blocking=value)  # type: ignore[arg-type]
 
 
 def test_bad_device_is_a_device_error() -> None:

@@ -142,7 +142,7 @@ def to_device(
     >>> to_device(batch, "cpu") is batch
     True
     """
-    if non_blocking not in (True, False, "auto"):
+    if not (isinstance(non_blocking, bool) or non_blocking == "auto"):
         raise InvalidArgumentError(
             f"non_blocking={non_blocking!r} is not understood.", hint='Use True, False or "auto".'
         )
