@@ -139,3 +139,17 @@ def test_a_repeated_gpu_keeps_the_plain_path_and_the_same_answers() -> None:
     parts = scatter(x, ["cuda:0", "cuda:0"])
     assert [p.device for p in parts] == [torch.device("cuda", 0)] * 2
     torch.testing.assert_close(torch.cat(parts).cpu(), x)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gather_on_two_gpus_joins_outputs_and_names_shapes_that_do_not_fit() -> None:
+    from gpukit.errors import GatherError
+    from gpukit.parallel import gather
+
+    a, b = torch.ones(2, 3, device="cuda:0"), torch.zeros(1, 3, device="cuda:1")
+    joined = gather([{"y": a}, {"y": b}], "cuda:0")["y"]
+    assert joined.device == torch.device("cuda", 0)
+    torch.testing.assert_close(joined.cpu(), torch.cat([a.cpu(), b.cpu()]))
+    with pytest.raises(GatherError, match=r"shapes \[\(2, 3\), \(1, 4\)\]"):
+        gather([a, torch.zeros(1, 4, device="cuda:1")], "cuda:0")

@@ -75,12 +75,22 @@ def gather(tensors: Sequence[torch.Tensor], dim: int, target: torch.device) -> t
     """``tensors`` (one per distinct CUDA device) concatenated along ``dim`` on ``target``.
 
     None when the plain path must do it: 0-dim tensors (stacked by the caller, without
-    ``Gather``'s warning), complex ones, or tensors not on distinct CUDA devices.
+    ``Gather``'s warning), complex ones, tensors not on distinct CUDA devices, and tensors that
+    cannot be joined (dtypes or other dimensions differ: the plain path says how).
     """
     if target.type != "cuda" or target.index is None:
         return None
-    if any(t.dim() == 0 or t.is_complex() for t in tensors):
+    first = tensors[0]
+    if any(t.dim() == 0 or t.is_complex() or t.dtype != first.dtype for t in tensors):
         return None
+    if not -first.dim() <= dim < first.dim():
+        return None
+    dim %= first.dim()
+    for t in tensors:
+        if t.dim() != first.dim() or any(
+            a != b for i, (a, b) in enumerate(zip(t.shape, first.shape, strict=True)) if i != dim
+        ):
+            return None
     if cuda_indices([t.device for t in tensors]) is None:
         return None
     gathered: torch.Tensor = Gather.apply(target.index, dim, *tensors)  # type: ignore[no-untyped-call]
