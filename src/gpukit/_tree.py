@@ -44,6 +44,7 @@ __all__ = [
     "child",
     "children",
     "format_path",
+    "guarded",
     "is_namedtuple",
     "kind_of",
     "leaves_with_paths",
