@@ -1,0 +1,399 @@
+"""How the GPUs of this machine are shared right now: holders, waiters, unclaimed and idle use.
+
+>>> from gpukit.gpus.sharing import sharing
+>>> now = sharing()                                             # doctest: +SKIP
+>>> [(w.position, w.user, w.reason) for w in now.waiters]       # doctest: +SKIP
+[(1, 'bob', '1 of 2 GPUs qualify'), (2, 'carol', 'behind position 1')]
+
+What ``gpukit queue`` shows. Never imports torch.
+
+- Holders come from the claims' lock files. The user shown is the owner of the holder's
+  process as the kernel reports it (``/proc``) while it lives, else what its lock file says.
+- Waiters come from the line of waiters, in service order, each with why it is not served yet.
+- Unclaimed use: a process NVML sees on a GPU that no claim of that GPU covers. A claim covers
+  its holder and the holder's descendants (``/proc/<pid>/stat`` parents), since ``gpukit run``
+  holds the claim while the command it starts uses the GPU.
+- Idle claims: every GPU of the claim showed no process and 0% utilisation at every reading
+  since ``idle_since``. Readings are this user's own, kept in ``<lock folder>/ledger/<uid>
+  .observed.json`` by each ``sharing(observe=True)`` call (each ``gpukit queue``); a reading
+  further apart from the previous one than the threshold starts the count again, so a claim is
+  called idle only after readings at most one threshold apart, for longer than the threshold.
+  Keep ``gpukit queue --watch`` (or a cron job running ``gpukit queue --json``) going to see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import stat
+import uuid as uuid_module
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gpukit.errors import GpukitError
+from gpukit.gpus import ledger, waiting
+from gpukit.gpus.claims import Holder, current_claims, lock_dir
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.select import Criteria, assess
+
+SCHEMA = "gpukit.queue/1"
+"""The ``schema`` field of :meth:`Sharing.to_json`."""
+IDLE_AFTER_S = 30 * 60.0
+"""A claim is idle after this many seconds with no process and 0% utilisation on its GPUs."""
+_ANCESTRY_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class HeldClaim:
+    """One claim held now: the GPUs one process holds."""
+
+    gpus: tuple[int | None, ...]
+    """NVML indices (``None`` for a GPU this machine's NVML does not list)."""
+    uuids: tuple[str, ...]
+    user: str | None
+    pid: int | None
+    command: str | None
+    since: float | None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """One waiter in the line, in service order."""
+
+    position: int
+    """1 = served next."""
+    user: str | None
+    pid: int | None
+    n: int | None
+    """GPUs asked for (``None`` when the waiter's ticket does not say)."""
+    criteria: str | None
+    since: float | None
+    reason: str
+    """Why it is not served now, e.g. ``'1 of 2 GPUs qualify'`` or ``'behind position 1'``."""
+
+
+@dataclass(frozen=True)
+class UnclaimedUse:
+    """A process on a GPU that no claim of that GPU covers."""
+
+    gpu: int
+    user: str | None
+    pid: int
+    command: str | None
+    memory: int | None
+    """Bytes of GPU memory it holds."""
+
+
+@dataclass(frozen=True)
+class IdleClaim:
+    """A claim whose GPUs have been unused for longer than the threshold."""
+
+    gpus: tuple[int | None, ...]
+    user: str | None
+    pid: int | None
+    command: str | None
+    idle_since: float
+    idle_s: float
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """The machine's sharing state at ``taken_at``."""
+
+    taken_at: float
+    holders: tuple[HeldClaim, ...]
+    waiters: tuple[Waiting, ...]
+    unclaimed: tuple[UnclaimedUse, ...]
+    idle: tuple[IdleClaim, ...]
+    idle_after_s: float
+    source: str
+    """Where the GPU readings came from (``'nvml'`` or ``'fake:<file>'``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict with a ``schema`` field (``gpukit queue --json``)."""
+        return {"schema": SCHEMA, **asdict(self)}
+
+
+def _proc_uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _user_name(uid: int | None) -> str | None:
+    if uid is None:
+        return None
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # "pid (comm) state ppid ...": comm may itself hold ") ", so split at the last one.
+        return int(data.rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, grandparent... up to init, from ``/proc`` (empty when unknown)."""
+    found: list[int] = []
+    current: int | None = pid
+    while len(found) < _ANCESTRY_DEPTH:
+        current = _parent(current) if current is not None else None
+        if current is None or current <= 0 or current in found:
+            break
+        found.append(current)
+    return found
+
+
+def _holders(claims: dict[str, Holder], inv: Inventory) -> list[HeldClaim]:
+    index = {g.uuid: g.index for g in inv.gpus}
+    groups: dict[tuple[int | None, float | None, str | None, str | None], list[str]] = {}
+    records: dict[tuple[int | None, float | None, str | None, str | None], Holder] = {}
+    for uuid, holder in claims.items():
+        key = (holder.pid, holder.since, holder.user, holder.command)
+        groups.setdefault(key, []).append(uuid)
+        records[key] = holder
+    held = []
+    for key, uuids in groups.items():
+        holder = records[key]
+        uuids.sort(key=lambda u: (index.get(u) is None, index.get(u) or 0, u))
+        # The lock record is written by its holder; the kernel's word on who runs the pid wins.
+        owner = _user_name(_proc_uid(holder.pid)) if holder.pid is not None else None
+        held.append(
+            HeldClaim(
+                gpus=tuple(index.get(u) for u in uuids),
+                uuids=tuple(uuids),
+                user=owner or holder.user,
+                pid=holder.pid,
+                command=holder.command,
+                since=holder.since,
+            )
+        )
+    held.sort(key=lambda h: (h.since or 0.0, h.pid or 0))
+    return held
+
+
+def _unclaimed(inv: Inventory, held: Sequence[HeldClaim]) -> list[UnclaimedUse]:
+    holders_of: dict[int, set[int]] = {}
+    for claim in held:
+        for index in claim.gpus:
+            if index is not None and claim.pid is not None:
+                holders_of.setdefault(index, set()).add(claim.pid)
+    found = []
+    for gpu in inv.gpus:
+        pids = holders_of.get(gpu.index, set())
+        for proc in gpu.processes:
+            if proc.pid in pids or pids.intersection(ancestors(proc.pid)):
+                continue
+            found.append(
+                UnclaimedUse(gpu.index, proc.user, proc.pid, proc.command, proc.used_memory)
+            )
+    return found
+
+
+def _criteria(value: object) -> Criteria | None:
+    if isinstance(value, Criteria):
+        return value
+    if isinstance(value, dict):
+        known = {k: v for k, v in value.items() if k in Criteria.__dataclass_fields__}
+        with contextlib.suppress(TypeError, ValueError, GpukitError):
+            return Criteria.make(**known)
+    return None
+
+
+def _reason(position: int, n: int | None, criteria: Criteria | None, ok: int) -> str:
+    if n is None or criteria is None:
+        return "behind position 1" if position > 1 else "waiting for its GPUs"
+    if ok < n:
+        return f"{ok} of {n} GPU{'s' if n != 1 else ''} qualify"
+    if position > 1:
+        return "behind position 1"
+    return "GPUs qualify: claiming at its next poll"
+
+
+def _line(folder: Path) -> list[dict[str, Any]]:
+    """The waiters in service order, as dicts of what their tickets say."""
+    read_line = getattr(waiting, "read_line", None)
+    if read_line is not None:
+        return [
+            {k: getattr(w, k, None) for k in ("position", "pid", "user", "n", "criteria", "since")}
+            for w in read_line(folder).waiters
+        ]
+    return _tickets(folder / "queue")
+
+
+def _tickets(queue: Path) -> list[dict[str, Any]]:
+    """Waiters from the ticket files' names and owners (tickets that carry no record)."""
+    try:
+        names = sorted(n for n in os.listdir(queue) if n.endswith(".ticket"))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.startswith("."):
+            continue
+        try:
+            fd = os.open(queue / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                continue  # no one holds it: the ticket of a waiter now gone
+            except BlockingIOError:
+                pass
+        finally:
+            os.close(fd)
+        parts = name.removesuffix(".ticket").split("-")
+        try:
+            since, pid = int(parts[0]) / 1e9, int(parts[1])
+        except (IndexError, ValueError):
+            continue
+        found.append({"pid": pid, "user": _user_name(info.st_uid), "since": since})
+    for position, entry in enumerate(found, start=1):
+        entry["position"] = position
+    return found
+
+
+def _waiters(folder: Path, inv: Inventory, claims: dict[str, Holder]) -> list[Waiting]:
+    waiters: list[Waiting] = []
+    for entry in _line(folder):
+        criteria = _criteria(entry.get("criteria"))
+        n = entry.get("n") if type(entry.get("n")) is int else None
+        ok = sum(v.ok for v in assess(inv, criteria, claims)) if criteria is not None else 0
+        position = int(entry.get("position") or len(waiters) + 1)
+        waiters.append(
+            Waiting(
+                position=position,
+                user=entry.get("user"),
+                pid=entry.get("pid"),
+                n=n,
+                criteria=(criteria.describe() or "any") if criteria is not None else None,
+                since=entry.get("since"),
+                reason=_reason(position, n, criteria, ok),
+            )
+        )
+    return waiters
+
+
+def _idle_now(claim: HeldClaim, inv: Inventory) -> bool:
+    gpus = {g.index: g for g in inv.gpus}
+    mine = [gpus.get(i) for i in claim.gpus if i is not None]
+    return bool(mine) and all(
+        g is not None and not g.processes and g.utilization_gpu == 0 for g in mine
+    )
+
+
+def _claim_key(claim: HeldClaim) -> str:
+    return f"{claim.pid}:{claim.since!r}:{','.join(claim.uuids)}"
+
+
+def _observations_path(folder: Path) -> Path:
+    return ledger.ledger_dir(folder) / f"{os.getuid()}.observed.json"
+
+
+def _read_observations(path: Path) -> dict[str, Any]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            return {}  # not ours: a co-user cannot tell us what we saw
+        data = json.loads(os.read(fd, 4 * 2**20))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+
+
+def _write_observations(path: Path, data: dict[str, Any]) -> None:
+    hidden = path.with_name(f".{path.name}.{uuid_module.uuid4().hex[:8]}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(hidden, flags, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, json.dumps(data).encode())
+        os.close(fd)
+        os.rename(hidden, path)  # in the sticky folder, never over another user's file
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(hidden)
+
+
+def _idle(
+    folder: Path, held: Sequence[HeldClaim], inv: Inventory, idle_after: float, observe: bool
+) -> list[IdleClaim]:
+    now = inv.taken_at
+    path = _observations_path(folder)
+    before = _read_observations(path)
+    seen: dict[str, dict[str, float | None]] = {}
+    for claim in held:
+        key = _claim_key(claim)
+        last = before.get(key) if isinstance(before.get(key), dict) else None
+        idle_since: float | None = None
+        if _idle_now(claim, inv):
+            idle_since = now
+            if last is not None:
+                prev_seen, prev_since = last.get("seen"), last.get("idle_since")
+                if (
+                    isinstance(prev_seen, (int, float))
+                    and isinstance(prev_since, (int, float))
+                    and 0 <= now - prev_seen <= idle_after
+                ):
+                    idle_since = min(float(prev_since), now)
+        seen[key] = {"seen": now, "idle_since": idle_since}
+    if observe:
+        with contextlib.suppress(ledger.LedgerError):
+            ledger.make_ledger_dir(folder)
+            _write_observations(path, seen)
+    return [
+        IdleClaim(c.gpus, c.user, c.pid, c.command, since, now - since)
+        for c in held
+        if (since := seen[_claim_key(c)]["idle_since"]) is not None and now - since > idle_after
+    ]
+
+
+def sharing(
+    inv: Inventory | None = None,
+    *,
+    folder: Path | None = None,
+    idle_after: float = IDLE_AFTER_S,
+    observe: bool = True,
+) -> Sharing:
+    """Who holds which GPU, who waits and why, unclaimed use and idle claims, right now.
+
+    ``observe`` records this reading of which claims are idle, so that a later call can tell
+    how long they have been (see the module's notes).
+    """
+    base = lock_dir() if folder is None else folder
+    inv = inventory() if inv is None else inv
+    claims = current_claims(base)
+    held = _holders(claims, inv)
+    return Sharing(
+        taken_at=inv.taken_at,
+        holders=tuple(held),
+        waiters=tuple(_waiters(base, inv, claims)),
+        unclaimed=tuple(_unclaimed(inv, held)),
+        idle=tuple(_idle(base, held, inv, idle_after, observe)),
+        idle_after_s=idle_after,
+        source=inv.source,
+    )
