@@ -269,9 +269,11 @@ def _tickets(queue: Path) -> list[dict[str, Any]]:
     return found
 
 
-def _waiters(folder: Path, inv: Inventory, claims: dict[str, Holder]) -> list[Waiting]:
+def _waiters(
+    line: list[dict[str, Any]], inv: Inventory, claims: dict[str, Holder]
+) -> list[Waiting]:
     waiters: list[Waiting] = []
-    for entry in _line(folder):
+    for entry in line:
         criteria = _criteria(entry.get("criteria"))
         n = entry.get("n") if type(entry.get("n")) is int else None
         ok = sum(v.ok for v in assess(inv, criteria, claims)) if criteria is not None else 0
@@ -386,12 +388,15 @@ def sharing(
     """
     base = lock_dir() if folder is None else folder
     inv = inventory() if inv is None else inv
+    # The line first, then the claims: a waiter leaves the line only once it holds its claim,
+    # so read in this order, each process that waits or holds shows in one list at least.
+    line = _line(base)
     claims = current_claims(base)
     held = _holders(claims, inv)
     return Sharing(
         taken_at=inv.taken_at,
         holders=tuple(held),
-        waiters=tuple(_waiters(base, inv, claims)),
+        waiters=tuple(_waiters(line, inv, claims)),
         unclaimed=tuple(_unclaimed(inv, held)),
         idle=tuple(_idle(base, held, inv, idle_after, observe)),
         idle_after_s=idle_after,
