@@ -239,7 +239,8 @@ def test_16_concurrent_claimers_of_20_claims_each_leave_320_runs_and_exact_total
             ctx.Process(target=_claimer, args=(str(folder), w, 20, uids[w])) for w in range(16)
         ]
         # Made by the lock folder's owner, as an admin would: a co-user's is refused.
-        ledger.make_ledger_dir(shared_dir(folder))
+        with ledger.opened_ledger_dir(shared_dir(folder), create=True):
+            pass
         # Lock files made beforehand: claims.py creates a lock file with the umask's mode and
         # widens it after, a window in which another user cannot open it (a separate fix).
         for i in range(4):

@@ -28,25 +28,25 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import math
 import os
-import stat
 import time
 import uuid as uuid_module
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpukit.errors import GpukitError
+from gpukit.errors import GpukitError, LockFolderError
+from gpukit.gpus.lockfiles import open_folder, open_lock_file, owner_name
 
 SCHEMA = "gpukit.ledger/1"
 """The ``schema`` field of every ledger record."""
 
 _SUFFIX = ".jsonl"
-_DIR_MODE = 0o1777  # every user adds a file; only its owner may remove or rename it
 _FILE_MODE = 0o644  # others read it for `gpukit usage`; only its owner appends
 _NAME_TRIES = 8
 _MAX_READ = 256 * 2**20  # a ledger file larger than this is not one gpukit wrote
@@ -88,94 +88,76 @@ def ledger_dir(lock_folder: Path) -> Path:
     return lock_folder / "ledger"
 
 
-def make_ledger_dir(lock_folder: Path) -> Path:
-    """The ledger folder, created so that every user can add their own file to it."""
+@contextlib.contextmanager
+def opened_ledger_dir(lock_folder: Path, *, create: bool = False) -> Iterator[int]:
+    """The ledger folder's descriptor, opened safely (:mod:`.lockfiles`) and checked.
+
+    Beyond the lock folder's trust model, its owner must be root, you, or the lock folder's
+    owner: the owner of a sticky folder may delete any file in it, so a co-user who made the
+    ledger folder could erase everyone's records.
+    """
     path = ledger_dir(lock_folder)
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-        if info.st_uid == os.getuid() and stat.S_ISDIR(info.st_mode):
-            os.chmod(path, _DIR_MODE, follow_symlinks=False)
-    except OSError as exc:
-        raise LedgerError(
-            f"Cannot create the gpukit ledger folder {path} ({exc.strerror}).",
-            hint="Set GPUKIT_LOCK_DIR to a folder every user of the GPUs can write.",
-        ) from exc
-    _check_dir(path)
-    return path
-
-
-def _check_dir(path: Path) -> None:
-    """Refuse a ledger folder that a co-user could have planted: a link, or theirs to empty."""
+        fd = open_folder(path, create=create)
+    except LockFolderError as exc:
+        raise LedgerError(exc.message, hint=exc.hint) from exc
     try:
-        info = os.lstat(path)
-        trusted = {0, os.getuid(), os.stat(path.parent).st_uid}
-    except OSError as exc:
-        raise LedgerError(f"Cannot read the gpukit ledger folder {path} ({exc.strerror}).") from exc
-    mode = stat.S_IMODE(info.st_mode)
-    if (
-        not stat.S_ISDIR(info.st_mode)
-        or info.st_uid not in trusted
-        or (mode & 0o022 and not mode & stat.S_ISVTX)
-    ):
-        raise LedgerError(
-            f"Refusing the gpukit ledger folder {path}: it is not a folder made by gpukit "
-            f"(a link, another user's folder, or writable by others without the sticky bit).",
-            hint="Ask root or the lock folder's owner to remove it; gpukit makes it again.",
-        )
+        owner = os.fstat(fd).st_uid
+        if owner not in (0, os.geteuid(), os.stat(lock_folder).st_uid):
+            raise LedgerError(
+                f"Refused the gpukit ledger folder {path}: it belongs to {owner_name(owner)}, "
+                "who could delete every user's records in it.",
+                hint="Ask root or the lock folder's owner to remove it; gpukit makes it again.",
+            )
+        yield fd
+    finally:
+        os.close(fd)
 
 
-def _user_name(uid: int) -> str:
-    try:
-        import pwd
-
-        return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return str(uid)
-
-
-def _own_file(folder: Path) -> int:
-    """Open this user's ledger file for appending; never another user's file, never a link."""
-    uid = os.getuid()
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+def _own_file(folder: Path, dir_fd: int) -> int:
+    """Open this user's ledger file; never another user's file, a link, or a FIFO."""
+    uid = os.geteuid()
     refused = []
     for n in range(_NAME_TRIES):
-        path = folder / (f"{uid}{_SUFFIX}" if n == 0 else f"{uid}.{n}{_SUFFIX}")
+        name = f"{uid}{_SUFFIX}" if n == 0 else f"{uid}.{n}{_SUFFIX}"
         try:
-            fd = os.open(path, flags, _FILE_MODE)
-        except OSError as exc:
-            # ELOOP: a link; EACCES/EPERM: another user's file in the sticky folder;
-            # ENXIO: a FIFO nobody reads. Someone else put it there: try the next name.
-            refused.append(f"{path.name} ({exc.strerror})")
+            fd = open_lock_file(
+                folder, name, dir_fd=dir_fd, write=True, create=True, mode=_FILE_MODE
+            )
+        except (OSError, LockFolderError) as exc:
+            # A link, a FIFO, another user's file we may not open: someone else put it
+            # there. Try the next name.
+            refused.append(f"{name} ({getattr(exc, 'message', None) or exc})")
             continue
-        info = os.fstat(fd)
-        if stat.S_ISREG(info.st_mode) and info.st_uid == uid and info.st_nlink == 1:
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, _FILE_MODE)  # the umask may have taken the read bits away
+        if os.fstat(fd).st_uid == uid:
             return fd
         os.close(fd)
-        refused.append(f"{path.name} (not a file of uid {uid})")
+        refused.append(f"{name} (a file of another user)")
     raise LedgerError(
         f"Cannot write the gpukit ledger in {folder}: every name for uid {uid} is taken: "
-        f"{', '.join(refused)}.",
+        f"{'; '.join(refused)}.",
         hint="Ask the owner of those files (or root) to remove them.",
     )
 
 
 def _append(folder: Path, record: dict[str, Any]) -> None:
     data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-    target = make_ledger_dir(folder)
-    fd = _own_file(target)
+    target = ledger_dir(folder)
+    with opened_ledger_dir(folder, create=True) as dir_fd:
+        fd = _own_file(target, dir_fd)
     try:
+        # Only this user's processes write this file, and each holds the flock while it
+        # appends: the end of the file cannot move under us.
         fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data  # a writer killed mid-line: end its line, keep ours whole
-        os.write(fd, data)
+        if os.pwrite(fd, data, size) != len(data):
+            raise OSError(errno.ENOSPC, "short write")
     except OSError as exc:
         raise LedgerError(
             f"Cannot append to the gpukit ledger in {target} ({exc.strerror}).",
-            hint="Free space in the lock folder's file system, or set GPUKIT_LOCK_DIR.",
+            hint="Free space in the lock folder's file system.",
         ) from exc
     finally:
         os.close(fd)  # also drops the flock
@@ -201,7 +183,7 @@ def record_start(
             "schema": SCHEMA,
             "event": "start",
             "claim": claim_id,
-            "uid": os.getuid(),
+            "uid": os.geteuid(),
             "pid": os.getpid(),
             "gpus": list(gpus),
             "indices": list(indices),
@@ -224,7 +206,7 @@ def record_end(claim_id: str, *, exit_code: int | None = None, at: float | None 
             "schema": SCHEMA,
             "event": "end",
             "claim": claim_id,
-            "uid": os.getuid(),
+            "uid": os.geteuid(),
             "time": time.time() if at is None else at,
             "exit_code": exit_code,
         },
@@ -241,21 +223,16 @@ def _end_open_claims() -> None:
                 record_end(claim_id)
 
 
-def _trusted_records(path: Path) -> tuple[int, list[dict[str, Any]]] | None:
-    """(owner uid, the records it wrote) of the ledger file at ``path``, or None if not one."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
+def _trusted_records(folder: Path, name: str, dir_fd: int) -> tuple[int, list[dict[str, Any]]]:
+    """(owner uid, the records it wrote) of the ledger file ``name``."""
+    fd = open_lock_file(folder, name, dir_fd=dir_fd)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_READ:
-            return None
+        if info.st_size > _MAX_READ:
+            return info.st_uid, []
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
-    except OSError:
-        return None
     finally:
         os.close(fd)
     owner = info.st_uid
@@ -297,7 +274,7 @@ def _runs_of(owner: int, records: Iterable[dict[str, Any]]) -> list[Run]:
             starts.setdefault(record["claim"], record)
         elif record.get("event") == "end":
             ends.setdefault(record["claim"], record)
-    user = _user_name(owner)
+    user = owner_name(owner)
     runs = []
     for claim_id, start in starts.items():
         end = ends.get(claim_id, {})
@@ -330,17 +307,15 @@ def read_runs(folder: Path, live: Iterable[tuple[int | None, float | None]] = ()
     such claim its end stays ``None``.
     """
     target = ledger_dir(folder)
-    try:
-        _check_dir(target)
-        names = sorted(os.listdir(target))
-    except (OSError, LedgerError):
-        return []
     runs: list[Run] = []
-    for name in names:
-        if name.endswith(_SUFFIX) and not name.startswith("."):
-            found = _trusted_records(target / name)
-            if found is not None:
-                runs.extend(_runs_of(*found))
+    try:
+        with opened_ledger_dir(folder) as dir_fd:
+            for name in sorted(os.listdir(dir_fd)):
+                if name.endswith(_SUFFIX) and not name.startswith("."):
+                    with contextlib.suppress(OSError, GpukitError):
+                        runs.extend(_runs_of(*_trusted_records(target, name, dir_fd)))
+    except GpukitError:
+        return []  # no ledger yet, or one that is refused: nothing to believe
     runs.sort(key=lambda r: r.start)
     held = set(live)
     return [_settle(run, runs, held) for run in runs]

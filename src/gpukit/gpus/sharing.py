@@ -27,7 +27,6 @@ import contextlib
 import fcntl
 import json
 import os
-import stat
 import uuid as uuid_module
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ from gpukit.errors import GpukitError
 from gpukit.gpus import ledger, waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.lockfiles import open_lock_file
 from gpukit.gpus.select import Criteria, assess
 
 SCHEMA = "gpukit.queue/1"
@@ -304,18 +304,18 @@ def _claim_key(claim: HeldClaim) -> str:
     return f"{claim.pid}:{claim.since!r}:{','.join(claim.uuids)}"
 
 
-def _observations_path(folder: Path) -> Path:
-    return ledger.ledger_dir(folder) / f"{os.getuid()}.observed.json"
+def _observations_name() -> str:
+    return f"{os.geteuid()}.observed.json"
 
 
-def _read_observations(path: Path) -> dict[str, Any]:
+def _read_observations(folder: Path) -> dict[str, Any]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        with ledger.opened_ledger_dir(folder) as dir_fd:
+            fd = open_lock_file(ledger.ledger_dir(folder), _observations_name(), dir_fd=dir_fd)
+    except (OSError, GpukitError):
         return {}
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        if os.fstat(fd).st_uid != os.geteuid():
             return {}  # not ours: a co-user cannot tell us what we saw
         data = json.loads(os.read(fd, 4 * 2**20))
         return data if isinstance(data, dict) else {}
@@ -325,28 +325,33 @@ def _read_observations(path: Path) -> dict[str, Any]:
         os.close(fd)
 
 
-def _write_observations(path: Path, data: dict[str, Any]) -> None:
-    hidden = path.with_name(f".{path.name}.{uuid_module.uuid4().hex[:8]}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(hidden, flags, 0o600)
-    except OSError:
-        return
-    try:
-        os.write(fd, json.dumps(data).encode())
-        os.close(fd)
-        os.rename(hidden, path)  # in the sticky folder, never over another user's file
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(hidden)
+def _write_observations(folder: Path, data: dict[str, Any]) -> None:
+    name = _observations_name()
+    hidden = f".{name}.{uuid_module.uuid4().hex[:8]}"
+    target = ledger.ledger_dir(folder)
+    with (
+        contextlib.suppress(OSError, GpukitError),
+        ledger.opened_ledger_dir(folder, create=True) as dir_fd,
+    ):
+        fd = open_lock_file(
+            target, hidden, dir_fd=dir_fd, write=True, create=True, exclusive=True, mode=0o600
+        )
+        try:
+            os.write(fd, json.dumps(data).encode())
+        finally:
+            os.close(fd)
+        try:
+            # In the sticky folder a rename never replaces another user's file.
+            os.rename(hidden, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError:
+            os.unlink(hidden, dir_fd=dir_fd)
 
 
 def _idle(
     folder: Path, held: Sequence[HeldClaim], inv: Inventory, idle_after: float, observe: bool
 ) -> list[IdleClaim]:
     now = inv.taken_at
-    path = _observations_path(folder)
-    before = _read_observations(path)
+    before = _read_observations(folder)
     seen: dict[str, dict[str, float | None]] = {}
     for claim in held:
         key = _claim_key(claim)
@@ -364,9 +369,7 @@ def _idle(
                     idle_since = min(float(prev_since), now)
         seen[key] = {"seen": now, "idle_since": idle_since}
     if observe:
-        with contextlib.suppress(ledger.LedgerError):
-            ledger.make_ledger_dir(folder)
-            _write_observations(path, seen)
+        _write_observations(folder, seen)
     return [
         IdleClaim(c.gpus, c.user, c.pid, c.command, since, now - since)
         for c in held
