@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
+import re
 import uuid as uuid_module
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -204,34 +206,99 @@ def _unclaimed(inv: Inventory, held: Sequence[HeldClaim]) -> list[UnclaimedUse]:
     return found
 
 
-def _criteria(value: object) -> Criteria | None:
-    if isinstance(value, Criteria):
-        return value
-    if isinstance(value, dict):
-        known = {k: v for k, v in value.items() if k in Criteria.__dataclass_fields__}
-        with contextlib.suppress(TypeError, ValueError, GpukitError):
-            return Criteria.make(**known)
-    return None
+_SIZE = re.compile(r"at least (.+) free")
+_UTIL = re.compile(r"at most (\d+)% busy")
+_PROCS = re.compile(r"at most (\d+) process\(es\)")
 
 
-def _reason(position: int, n: int | None, criteria: Criteria | None, ok: int) -> str:
-    if n is None or criteria is None:
-        return "behind position 1" if position > 1 else "waiting for its GPUs"
-    if ok < n:
-        return f"{ok} of {n} GPU{'s' if n != 1 else ''} qualify"
-    if position > 1:
-        return "behind position 1"
-    return "GPUs qualify: claiming at its next poll"
+def criteria_from_text(text: str) -> Criteria | None:
+    """The criteria that :meth:`Criteria.describe` wrote as ``text``, or None if it is not one.
+
+    Waiters' tickets carry their criteria as that sentence. Sizes come back rounded to what
+    the sentence shows (0.1 GiB), enough to say how many GPUs qualify for a waiter.
+    """
+    text = text.strip()
+    if not text:
+        return Criteria()  # any idle GPU
+    head, _, excluded = text.partition(", not ")
+    values: dict[str, Any] = {}
+    processes_said = False
+    for part in filter(None, (p.strip() for p in head.split(","))):
+        if (size := _SIZE.fullmatch(part)) and "min_free" not in values:
+            values["min_free"] = size.group(1)
+        elif (util := _UTIL.fullmatch(part)) and "max_util" not in values:
+            values["max_util"] = int(util.group(1))
+        elif part == "no process on it" and not processes_said:
+            values["max_processes"] = 0
+            processes_said = True
+        elif (procs := _PROCS.fullmatch(part)) and not processes_said:
+            values["max_processes"] = int(procs.group(1))
+            processes_said = True
+        else:
+            return None
+    exclude = [e.strip() for e in excluded.split(",") if e.strip()] if excluded else []
+    try:
+        criteria = Criteria.make(exclude=[int(e) if e.isdigit() else e for e in exclude], **values)
+    except (GpukitError, TypeError, ValueError):
+        return None
+    return criteria if criteria.describe() == text else None
+
+
+def _refusals(folder: Path) -> Callable[[int | None, int | None], str | None]:
+    """``refusal(uid, n)``: why the server's policy keeps that waiter from claiming now."""
+    try:
+        # Per-user limits (policy.toml) come with the line of waiters; without them, none.
+        policy = importlib.import_module("gpukit.gpus.policy")
+    except ImportError:
+        return lambda uid, n: None
+    try:
+        rules = policy.load_policy(folder)
+        held = policy.holdings(folder)
+    except GpukitError:
+        return lambda uid, n: None
+    return lambda uid, n: None if uid is None or n is None else rules.refusal(uid, n, held)
+
+
+def _reasons(
+    line: Sequence[dict[str, Any]],
+    inv: Inventory,
+    claims: dict[str, Holder],
+    refusal: Callable[[int | None, int | None], str | None],
+) -> list[str]:
+    """Why each waiter is not served now, with the line's rule: the first waiter whose user
+    the policy lets claim is served as soon as enough GPUs qualify."""
+    reasons = []
+    first_allowed: int | None = None
+    for entry in line:
+        n, position = entry.get("n"), entry["position"]
+        refused = refusal(entry.get("uid"), n)
+        if refused:
+            reasons.append(refused)
+            continue
+        if first_allowed is not None:
+            reasons.append(f"behind position {first_allowed}")
+            continue
+        first_allowed = position
+        text = entry.get("criteria")
+        criteria = criteria_from_text(text) if isinstance(text, str) else None
+        if criteria is None or type(n) is not int:
+            reasons.append("next in line")
+            continue
+        ok = sum(v.ok for v in assess(inv, criteria, claims))
+        reasons.append(
+            f"{ok} of {n} GPU{'s' if n != 1 else ''} qualify"
+            if ok < n
+            else "its GPUs qualify: it claims them at its next poll"
+        )
+    return reasons
 
 
 def _line(folder: Path) -> list[dict[str, Any]]:
     """The waiters in service order, as dicts of what their tickets say."""
     read_line = getattr(waiting, "read_line", None)
     if read_line is not None:
-        return [
-            {k: getattr(w, k, None) for k in ("position", "pid", "user", "n", "criteria", "since")}
-            for w in read_line(folder).waiters
-        ]
+        fields = ("position", "pid", "user", "uid", "n", "criteria", "since")
+        return [{k: getattr(w, k, None) for k in fields} for w in read_line(folder).waiters]
     return _tickets(folder / "queue")
 
 
@@ -263,33 +330,32 @@ def _tickets(queue: Path) -> list[dict[str, Any]]:
             since, pid = int(parts[0]) / 1e9, int(parts[1])
         except (IndexError, ValueError):
             continue
-        found.append({"pid": pid, "user": _user_name(info.st_uid), "since": since})
+        found.append(
+            {"pid": pid, "user": _user_name(info.st_uid), "uid": info.st_uid, "since": since}
+        )
     for position, entry in enumerate(found, start=1):
         entry["position"] = position
     return found
 
 
 def _waiters(
-    line: list[dict[str, Any]], inv: Inventory, claims: dict[str, Holder]
+    line: list[dict[str, Any]], inv: Inventory, claims: dict[str, Holder], folder: Path
 ) -> list[Waiting]:
-    waiters: list[Waiting] = []
-    for entry in line:
-        criteria = _criteria(entry.get("criteria"))
-        n = entry.get("n") if type(entry.get("n")) is int else None
-        ok = sum(v.ok for v in assess(inv, criteria, claims)) if criteria is not None else 0
-        position = int(entry.get("position") or len(waiters) + 1)
-        waiters.append(
-            Waiting(
-                position=position,
-                user=entry.get("user"),
-                pid=entry.get("pid"),
-                n=n,
-                criteria=(criteria.describe() or "any") if criteria is not None else None,
-                since=entry.get("since"),
-                reason=_reason(position, n, criteria, ok),
-            )
+    reasons = _reasons(line, inv, claims, _refusals(folder))
+    return [
+        Waiting(
+            position=entry["position"],
+            user=entry.get("user"),
+            pid=entry.get("pid"),
+            n=entry.get("n"),
+            criteria=(entry.get("criteria") or "any")
+            if entry.get("criteria") is not None
+            else None,
+            since=entry.get("since"),
+            reason=reason,
         )
-    return waiters
+        for entry, reason in zip(line, reasons, strict=True)
+    ]
 
 
 def _idle_now(claim: HeldClaim, inv: Inventory) -> bool:
@@ -399,7 +465,7 @@ def sharing(
     return Sharing(
         taken_at=inv.taken_at,
         holders=tuple(held),
-        waiters=tuple(_waiters(line, inv, claims)),
+        waiters=tuple(_waiters(line, inv, claims, base)),
         unclaimed=tuple(_unclaimed(inv, held)),
         idle=tuple(_idle(base, held, inv, idle_after, observe)),
         idle_after_s=idle_after,
