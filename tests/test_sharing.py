@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpukit.gpus import sharing as sharing_module
 from gpukit.gpus import waiting
 from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import Inventory, inventory
@@ -187,8 +186,7 @@ def test_the_next_waiter_says_how_many_gpus_qualify_and_the_others_whom_they_are
 ) -> None:
     inv = inventory()
     line = _line((1, 2, ""), (2, 1, ""), (3, 1, "at least 10 GiB free"))
-    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line, raising=False)
-    monkeypatch.setattr(sharing_module, "_refusals", lambda folder: lambda uid, n: None)
+    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line)
     with claim([inv.gpu(0), inv.gpu(1), inv.gpu(2)]):
         waiters = sharing(inv).waiters
     assert [(w.position, w.user, w.n, w.criteria, w.reason) for w in waiters] == [
@@ -199,18 +197,19 @@ def test_the_next_waiter_says_how_many_gpus_qualify_and_the_others_whom_they_are
 
 
 def test_a_waiter_held_back_by_its_user_limit_does_not_hold_up_the_next(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, locks: Path
 ) -> None:
     inv = inventory()
-    line = _line((1, 1, ""), (2, 1, ""))
-    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line, raising=False)
-    refusals = {1: "user limit 2 reached"}
-    monkeypatch.setattr(
-        sharing_module, "_refusals", lambda folder: lambda uid, n: refusals.get(uid)
-    )
-    waiters = sharing(inv).waiters
+    me = os.getuid()
+    line = _line((me, 1, ""), (me + 4242, 1, ""))
+    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line)
+    with claim([inv.gpu(0)]):
+        policy = locks / "policy.toml"
+        policy.write_text("[limits]\nmax_gpus_per_user = 1\n")
+        policy.chmod(0o644)
+        waiters = sharing(inv).waiters
     assert [w.reason for w in waiters] == [
-        "user limit 2 reached",
+        "user limit 1 reached",
         "its GPUs qualify: it claims them at its next poll",
     ]
 

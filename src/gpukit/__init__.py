@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "Inventory": "gpukit.gpus.inventory",
     "pick": "gpukit.gpus.select",
     "claim": "gpukit.gpus.select",
+    "acquire": "gpukit.gpus.acquire",
     # parallel
     "DataParallel": "gpukit.parallel.data_parallel",
     # checkpoints

@@ -27,15 +27,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from gpukit.cli._criteria import add_criteria, criteria_from
+from gpukit.cli._criteria import add_criteria, criteria_from, excluded
 from gpukit.cli._output import print_error, say_if_fake
-from gpukit.errors import ClaimError, GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.gpus.claims import Claim, claim, current_claims
-from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.select import Criteria, choose
-from gpukit.gpus.waiting import wait_and_claim
+from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
+from gpukit.gpus.acquire import POLL_VAR, acquire, poll_interval
+from gpukit.gpus.inventory import inventory
 
-POLL_VAR = "GPUKIT_POLL_INTERVAL"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PYTHONS = ("python", "python3")
 
@@ -62,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     waiting.add_argument(
         "--poll",
         type=float,
-        default=float(os.environ.get(POLL_VAR, "2")),
+        default=None,
         metavar="S",
         help=f"seconds between polls (2, or ${POLL_VAR})",
     )
@@ -129,9 +126,15 @@ class _Status:
             print(f"gpukit run: {text}", file=sys.stderr, flush=True)
         self.last = text
 
-    def done(self, text: str) -> None:
+    def clear(self) -> None:
+        """Wipe the live line (before an error is printed)."""
         if self.live and self.last:
             sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.last = ""
+
+    def done(self, text: str) -> None:
+        self.clear()
         print(f"gpukit run: {text}", file=sys.stderr, flush=True)
 
 
@@ -218,10 +221,12 @@ def _cpu_only(args: argparse.Namespace, cmd: list[str], reason: NoDriverError) -
 def run(args: argparse.Namespace) -> int:
     """Pick, claim (waiting if asked), run the command, return its exit status."""
     cmd = _command(args)
-    criteria = criteria_from(args)
-    if args.settle < 1 or args.poll <= 0:
+    criteria_from(args)  # the options' own mistakes, before anything is read
+    configured = poll_interval()  # a bad $GPUKIT_POLL_INTERVAL is refused by every run
+    poll = configured if args.poll is None else args.poll
+    if args.settle < 1 or not poll > 0 or poll == float("inf"):
         raise InvalidArgumentError(
-            f"--settle {args.settle} --poll {args.poll}: both must be positive.",
+            f"--settle {args.settle} --poll {poll}: both must be positive numbers.",
             hint="Use e.g. --settle 3 --poll 2.",
         )
     if args.timeout is not None and not args.timeout >= 0:  # also refuses nan
@@ -231,46 +236,38 @@ def run(args: argparse.Namespace) -> int:
         )
     say_if_fake("run")
     try:
-        inv = inventory()
+        first = [inventory()]
     except NoDriverError as exc:
         if args.cpu_ok:
             return _cpu_only(args, cmd, exc)
         raise
-    label = shlex.join(cmd)
-    held: Claim
+    waits = args.wait or args.timeout is not None
+    status = _Status()
     try:
-        if args.wait or args.timeout is not None:
-            status = _Status()
-            held = wait_and_claim(
-                args.gpus,
-                criteria,
-                order=args.order,
-                timeout=args.timeout,
-                settle=args.settle,
-                poll=args.poll,
-                command=label,
-                on_status=status,
-            )
-            status.done(f"claimed GPU {','.join(map(str, held.indices))}.")
-        else:
-            held = _claim_now(args, criteria, inv, label)
+        held = acquire(
+            args.gpus,
+            min_free=args.min_free,
+            max_util=args.max_util,
+            max_processes=args.max_processes,
+            exclude=excluded(args),
+            order=args.order,
+            wait=waits,
+            timeout=args.timeout,
+            poll=poll,
+            settle=args.settle,
+            command=shlex.join(cmd),
+            on_status=status,
+            read=lambda: first.pop() if first else inventory(),
+        )
     except GpukitError as exc:
+        if waits:
+            status.clear()
         return print_error("run", exc)
+    if waits:
+        status.done(f"claimed GPU {','.join(map(str, held.indices))}.")
     with held:
         visible = ",".join(str(i) for i in held.indices)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         code = launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
         held.release(exit_code=code)  # the ledger records how the command ended
         return code
-
-
-def _claim_now(args: argparse.Namespace, criteria: Criteria, inv: Inventory, label: str) -> Claim:
-    # Another process may claim a GPU between reading the claims and locking: read again.
-    for attempt in range(3):
-        gpus = choose(inv, args.gpus, criteria, order=args.order, claims=current_claims())
-        try:
-            return claim(gpus, command=label)
-        except ClaimError:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")

@@ -24,8 +24,6 @@ What ``gpukit queue`` shows. Never imports torch.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import importlib
 import json
 import os
 import re
@@ -40,6 +38,7 @@ from gpukit.gpus import ledger, waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.lockfiles import open_lock_file
+from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import Criteria, assess
 
 SCHEMA = "gpukit.queue/1"
@@ -247,14 +246,9 @@ def criteria_from_text(text: str) -> Criteria | None:
 def _refusals(folder: Path) -> Callable[[int | None, int | None], str | None]:
     """``refusal(uid, n)``: why the server's policy keeps that waiter from claiming now."""
     try:
-        # Per-user limits (policy.toml) come with the line of waiters; without them, none.
-        policy = importlib.import_module("gpukit.gpus.policy")
-    except ImportError:
-        return lambda uid, n: None
-    try:
-        rules = policy.load_policy(folder)
-        held = policy.holdings(folder)
-    except GpukitError:
+        rules = load_policy(folder)
+        held = holdings(folder)
+    except GpukitError:  # a policy file that is refused is no limit (gpukit run says why)
         return lambda uid, n: None
     return lambda uid, n: None if uid is None or n is None else rules.refusal(uid, n, held)
 
@@ -295,47 +289,8 @@ def _reasons(
 
 def _line(folder: Path) -> list[dict[str, Any]]:
     """The waiters in service order, as dicts of what their tickets say."""
-    read_line = getattr(waiting, "read_line", None)
-    if read_line is not None:
-        fields = ("position", "pid", "user", "uid", "n", "criteria", "since")
-        return [{k: getattr(w, k, None) for k in fields} for w in read_line(folder).waiters]
-    return _tickets(folder / "queue")
-
-
-def _tickets(queue: Path) -> list[dict[str, Any]]:
-    """Waiters from the ticket files' names and owners (tickets that carry no record)."""
-    try:
-        names = sorted(n for n in os.listdir(queue) if n.endswith(".ticket"))
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        if name.startswith("."):
-            continue
-        try:
-            fd = os.open(queue / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            info = os.fstat(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                continue  # no one holds it: the ticket of a waiter now gone
-            except BlockingIOError:
-                pass
-        finally:
-            os.close(fd)
-        parts = name.removesuffix(".ticket").split("-")
-        try:
-            since, pid = int(parts[0]) / 1e9, int(parts[1])
-        except (IndexError, ValueError):
-            continue
-        found.append(
-            {"pid": pid, "user": _user_name(info.st_uid), "uid": info.st_uid, "since": since}
-        )
-    for position, entry in enumerate(found, start=1):
-        entry["position"] = position
-    return found
+    fields = ("position", "pid", "user", "uid", "n", "criteria", "since")
+    return [{k: getattr(w, k, None) for k in fields} for w in waiting.read_line(folder).waiters]
 
 
 def _waiters(

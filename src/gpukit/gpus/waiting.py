@@ -1,81 +1,369 @@
-"""Waiting for GPUs: a first-come first-served line of waiters, and the poll loop.
+"""Waiting for GPUs: a first-come first-served line of waiters that no co-user can jump or jam.
 
-Each waiter holds a ticket in ``<lock folder>/queue``: a file named by its arrival time and
-locked (flock) for as long as the waiter lives. Only the first live ticket may claim GPUs, so
-waiters are served in arrival order. A waiter that dies (even by SIGKILL) loses its lock with
-its life, and the others skip its ticket at once: a dead waiter never blocks the line.
+Each waiter (``gpukit run --wait``, ``gk.acquire(wait=True)``) holds a *ticket* in
+``<lock folder>/queue`` for as long as it waits: a file it creates, locks (``flock``) and names
+``<time_ns>-<pid>-<hex>.ticket``, holding one JSON record (schema ``gpukit.ticket/1``: pid,
+user, uid, how many GPUs, the criteria, the command, since when). Only the first waiter in line
+whose request the server's policy allows may claim GPUs, so waiters are served in arrival order.
+
+Why the line cannot be jumped. Every user can add files to the queue folder, and a file's name
+and content are whatever its creator wrote. Arrival order therefore comes from a time the
+kernel sets, the ticket's inode change time (``st_ctime_ns``, set when the ticket takes its
+name; ``utime`` can set a file's other times back, never this one), with the name only as a
+tie-break between tickets of the same clock tick. A ticket made after yours comes after yours,
+whatever its name says.
+
+Why it cannot be jammed. Entries are opened without following links and without blocking
+(``O_NOFOLLOW | O_NONBLOCK``) and checked with ``fstat``: a regular file with one link. A ticket
+counts only while the process its record names holds its lock (the kernel's lock table,
+:mod:`gpukit.gpus.flocks`, says who holds it), the file belongs to the record's uid and user,
+and that process runs as the same user. Anything else in the folder (a link, a FIFO, a folder,
+a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
+:attr:`Line.foreign`. Nothing here waits on a file, so ``--timeout`` always holds. A waiter
+that dies (even by SIGKILL) loses its lock with its life: a dead waiter never blocks the line.
+
+What a co-user can still do: queue honestly (a live process of theirs holding a well-formed
+ticket is a waiter, shown with its user, pid and command) and hold real claims.
+
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import json
+import math
 import os
+import stat
+import sys
 import time
 import uuid as uuid_module
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-from gpukit.errors import ClaimError, NoGpuAvailableError, WaitTimeoutError
+from gpukit.errors import ClaimError, NoGpuAvailableError, UserLimitError, WaitTimeoutError
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir, shared_dir
+from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.policy import Policy, holdings, user_name
 from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
 
-_TICKET = ".ticket"
+__all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
+
+TICKET_SCHEMA = "gpukit.ticket/1"
+QUEUE = "queue"
+_SUFFIX = ".ticket"
+_MAX_RECORD = 64 * 1024
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _alive(path: Path) -> bool:
-    """True while the waiter that made the ticket at ``path`` lives (holds its lock)."""
+@dataclass(frozen=True)
+class Waiter:
+    """One live waiter, as its ticket describes it."""
+
+    position: int
+    """Place in line: 1 is served next."""
+    pid: int
+    user: str
+    uid: int
+    n: int
+    """How many GPUs it waits for."""
+    criteria: str
+    """What the GPUs must satisfy, as :meth:`Criteria.describe` says it ('' for any idle GPU)."""
+    command: str
+    since: float
+    """Unix time it joined the line, as its record says."""
+    ticket: str
+    """The ticket's file name in the queue folder."""
+    arrived_ns: int
+    """The kernel's change time of the ticket (ns): what orders the line."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """An entry of the queue folder that is not a live waiter's ticket, and why."""
+
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Line:
+    """The waiters in service order, and what else the queue folder holds."""
+
+    waiters: tuple[Waiter, ...] = ()
+    foreign: tuple[Foreign, ...] = ()
+
+
+def _queue_of(folder: Path | None) -> Path:
+    return (lock_dir() if folder is None else Path(folder)) / QUEUE
+
+
+def read_line(folder: Path | None = None) -> Line:
+    """The line of waiters of the lock folder ``folder`` (default: the machine's), in order.
+
+    Never blocks, never follows a link; what does not count as a waiter is in ``foreign``.
+
+    >>> [(w.position, w.user, w.n) for w in read_line().waiters]   # doctest: +SKIP
+    [(1, 'alice', 2), (2, 'bob', 1)]
+    """
+    queue = _queue_of(folder)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        dir_fd = os.open(queue, _DIR_FLAGS)
     except OSError:
-        return False
+        return Line()  # no one has waited here yet (or the folder is not one: nothing waits)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        return _read(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read(dir_fd: int, *, tidy: bool = False) -> Line:
+    with os.scandir(dir_fd) as entries:
+        listed = sorted((e.name, e.inode()) for e in entries if not e.name.startswith("."))
+    # Read after the folder: a ticket is locked before its name appears, so every live ticket
+    # listed above is in this table.
+    table = exclusive_flocks()
+    found: list[Waiter] = []
+    foreign: list[Foreign] = []
+    for name, inode in listed:
+        if not name.endswith(_SUFFIX):
+            foreign.append(Foreign(name, "not a ticket"))
+            continue
+        if table is not None and not table.get(inode):
+            foreign.append(Foreign(name, _unheld(dir_fd, name)))
+            if tidy:
+                _remove_if_abandoned(dir_fd, name)
+            continue
+        waiter = _waiter(dir_fd, name, inode, table)
+        if isinstance(waiter, str):
+            foreign.append(Foreign(name, waiter))
+        else:
+            found.append(waiter)
+    found.sort(key=lambda w: (w.arrived_ns, w.ticket))
+    return Line(tuple(replace(w, position=i + 1) for i, w in enumerate(found)), tuple(foreign))
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _unheld(dir_fd: int, name: str) -> str:
+    """Why an entry no process locks is not a ticket (``lstat``: opens nothing, never blocks)."""
+    try:
+        mode = os.lstat(name, dir_fd=dir_fd).st_mode
+    except OSError:
+        return "gone"
+    return "not held by a live waiter" if stat.S_ISREG(mode) else _kind(mode)
+
+
+def _open_entry(dir_fd: int, name: str) -> int | str:
+    """The entry ``name`` opened read-only and checked, or why it is not a ticket.
+
+    Never follows a link, never blocks (a FIFO), never keeps anything but a regular file with
+    one link.
+    """
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link"
+        return f"cannot be opened ({exc.strerror})"
+    info = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(info.st_mode):
+        why = _kind(info.st_mode)
+    elif info.st_nlink != 1:
+        why = f"a file with {info.st_nlink} hard links"
+    if why is not None:
+        os.close(fd)
+        return why
+    return fd
+
+
+def _record(data: bytes) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(data.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    types: dict[str, type | tuple[type, ...]] = {
+        "pid": int,
+        "user": str,
+        "uid": int,
+        "n": int,
+        "criteria": str,
+        "command": str,
+        "since": (int, float),
+    }
+    if not isinstance(raw, dict) or raw.get("schema") != TICKET_SCHEMA:
+        return None
+    for key, kind in types.items():
+        value = raw.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return None
+    if raw["n"] < 1 or not math.isfinite(raw["since"]):
+        return None
+    return raw
+
+
+def _waiter(
+    dir_fd: int, name: str, inode: int, table: dict[int, frozenset[int]] | None
+) -> Waiter | str:
+    fd = _open_entry(dir_fd, name)
+    if isinstance(fd, str):
+        return fd
+    try:
+        info = os.fstat(fd)
+        if info.st_ino != inode:
+            return "replaced while read"
+        data = os.pread(fd, _MAX_RECORD + 1, 0)
+        record = _record(data) if len(data) <= _MAX_RECORD else None
+        if record is None:
+            return "no valid waiter record"
+        pid = record["pid"]
+        if table is None:  # no kernel lock table: the lock itself says whether anyone holds it
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return "not held by a live waiter"
+            except BlockingIOError:
+                pass
+        elif pid not in table.get(inode, ()):
+            held_by = ", ".join(map(str, sorted(table.get(inode, ()))))
+            return f"held by pid {held_by}, not by pid {pid} its record names"
+        if info.st_uid != record["uid"]:
+            return f"belongs to uid {info.st_uid}, but its record names uid {record['uid']}"
+        if record["user"] != user_name(info.st_uid):
+            return f"belongs to {user_name(info.st_uid)}, but its record names {record['user']}"
+        runner = process_uid(pid)
+        if runner is not None and runner != info.st_uid:
+            return f"its process {pid} runs as {user_name(runner)}, not as {record['user']}"
     finally:
         os.close(fd)
-    with contextlib.suppress(OSError):  # only its owner may remove it from the sticky folder
-        path.unlink()
-    return False
+    return Waiter(
+        position=0,
+        pid=pid,
+        user=record["user"],
+        uid=record["uid"],
+        n=record["n"],
+        criteria=record["criteria"],
+        command=record["command"],
+        since=float(record["since"]),
+        ticket=name,
+        arrived_ns=info.st_ctime_ns,
+    )
+
+
+def _remove_if_abandoned(dir_fd: int, name: str) -> None:
+    """Remove a ticket of this user whose waiter died (killed before it could tidy up)."""
+    fd = _open_entry(dir_fd, name)
+    if isinstance(fd, str):
+        return
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return  # the sticky folder lets only its owner remove it
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted: no waiter holds it
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class Ticket:
-    """This process's place in the line of waiters; :meth:`close` leaves the line."""
+    """This process's place in the line of waiters; :meth:`close` leaves the line.
 
-    def __init__(self, folder: Path | None = None) -> None:
-        self.queue = shared_dir(shared_dir(lock_dir() if folder is None else folder) / "queue")
-        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_TICKET}"
-        # Locked before it gets its visible name, so that no one ever sees it unlocked and
-        # takes it for the ticket of a dead waiter.
-        hidden = self.queue / f".{name}"
+    ``n``, ``criteria`` and ``command`` are recorded in the ticket for ``gpukit queue``.
+    """
+
+    def __init__(
+        self,
+        folder: Path | None = None,
+        *,
+        n: int = 1,
+        criteria: str = "",
+        command: str | None = None,
+    ) -> None:
+        self.queue = shared_dir(shared_dir(lock_dir() if folder is None else Path(folder)) / QUEUE)
+        self._dir: int | None = os.open(self.queue, _DIR_FLAGS)
+        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
+        uid = os.getuid()
+        record = {
+            "schema": TICKET_SCHEMA,
+            "pid": os.getpid(),
+            "user": user_name(uid),
+            "uid": uid,
+            "n": n,
+            "criteria": criteria,
+            "command": command if command is not None else " ".join(sys.argv),
+            "since": time.time(),
+        }
+        # Locked and written before it gets its visible name, so that no one ever sees it
+        # unlocked or empty and takes it for an abandoned or forged ticket.
+        hidden = f".{name}"
         self._fd: int | None = os.open(
-            hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+            hidden,
+            os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
+            dir_fd=self._dir,
         )
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            os.write(self._fd, json.dumps(record).encode())
+            os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(hidden, dir_fd=self._dir)
+            self.close()
+            raise
+        self.name = name
         self.path = self.queue / name
-        os.rename(hidden, self.path)
+        # The key others order this ticket by, read once it has its name (the rename set it).
+        self.arrived_ns = os.fstat(self._fd).st_ctime_ns
+
+    def line(self) -> Line:
+        """The line as it stands now; tidies away this user's tickets whose waiters died."""
+        if self._dir is None:
+            return Line()
+        return _read(self._dir, tidy=True)
+
+    def waiters_ahead(self, line: Line) -> list[Waiter]:
+        """The waiters of ``line`` that arrived before this one."""
+        mine = (self.arrived_ns, self.name)
+        return [w for w in line.waiters if (w.arrived_ns, w.ticket) < mine]
 
     def ahead(self) -> int:
         """How many live waiters arrived before this one."""
-        try:
-            names = os.listdir(self.queue)
-        except OSError:
-            return 0
-        earlier = sorted(
-            n for n in names if n.endswith(_TICKET) and not n.startswith(".") and n < self.path.name
-        )
-        return sum(_alive(self.queue / n) for n in earlier)
+        return len(self.waiters_ahead(self.line()))
 
     def close(self) -> None:
         """Leave the line. Safe to call twice."""
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+            if self._dir is not None and hasattr(self, "name"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.name, dir_fd=self._dir)
             os.close(self._fd)
             self._fd = None
+        if self._dir is not None:
+            os.close(self._dir)
+            self._dir = None
 
     def __enter__(self) -> Ticket:
         return self
@@ -98,32 +386,56 @@ def wait_and_claim(
     settle: int = 1,
     poll: float = 2.0,
     command: str | None = None,
+    policy: Policy | None = None,
+    folder: Path | None = None,
     on_status: Callable[[str], None] = lambda text: None,
     read: Callable[[], Inventory] = inventory,
 ) -> Claim:
     """Wait in line until ``n`` GPUs qualify for ``settle`` polls in a row, then claim them.
 
     Raises NoGpuAvailableError at once when fewer than ``n`` GPUs could ever qualify (waiting
-    would be forever), and WaitTimeoutError after ``timeout`` seconds.
+    would be forever), UserLimitError when ``policy`` never lets one user hold ``n``, and
+    WaitTimeoutError after ``timeout`` seconds. Waiters ahead that ``policy`` does not let
+    claim now (their user is at the limit) do not hold this one up; nor does it hold up others
+    while its own user is at the limit.
     """
+    policy = policy or Policy()
+    folder = lock_dir() if folder is None else Path(folder)
     inv = read()
     if sum(criteria.could_ever_qualify(g) for g in inv.gpus) < n:
-        raise no_gpu_error(inv, n, criteria, assess(inv, criteria, current_claims()))
+        raise no_gpu_error(inv, n, criteria, assess(inv, criteria, current_claims(folder)))
+    uid = os.getuid()
+    if not policy.could_ever_allow(n):
+        raise UserLimitError(
+            policy.explain(uid, n, holdings(folder)),
+            hint="Waiting cannot help: ask for fewer GPUs, or ask the administrator.",
+        )
     start = time.monotonic()
     streak: dict[str, int] = {}
-    with Ticket() as ticket:
+    with Ticket(folder, n=n, criteria=criteria.describe(), command=command) as ticket:
         while True:
-            verdicts = assess(inv, criteria, current_claims())
+            verdicts = assess(inv, criteria, current_claims(folder))
             streak = {v.gpu.uuid: streak.get(v.gpu.uuid, 0) + 1 for v in verdicts if v.ok}
             ready = best_first(
                 (v.gpu for v in verdicts if v.ok and streak[v.gpu.uuid] >= settle), order
             )
-            ahead = ticket.ahead()
-            if ahead == 0 and len(ready) >= n:
+            held = holdings(folder)
+            ahead = sum(
+                policy.refusal(w.uid, w.n, held) is None
+                for w in ticket.waiters_ahead(ticket.line())
+            )
+            limited = policy.refusal(uid, n, held)
+            if ahead == 0 and limited is None and len(ready) >= n:
                 try:
-                    return claim(ready[:n], command=command)
+                    got = claim(ready[:n], command=command, folder=folder)
                 except ClaimError:  # claimed by someone outside the line since: poll again
                     streak.clear()
+                else:
+                    # Another process of this user may have claimed meanwhile: never past
+                    # the limit, even for a moment's race.
+                    if policy.refusal(uid, 0, holdings(folder)) is None:
+                        return got
+                    got.release()
             qualify = sum(v.ok for v in verdicts)
             line = f"; {ahead} waiter{'s' if ahead != 1 else ''} ahead" if ahead else ""
             on_status(
@@ -131,11 +443,14 @@ def wait_and_claim(
                 f"{qualify} of {len(inv.gpus)} qualify"
                 + (f", {len(ready)} for {settle} polls in a row" if settle > 1 else "")
                 + line
+                + (f"; {limited}" if limited else "")
             )
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
                 late = ""
-                if qualify >= n:  # they qualify now: say what kept this waiter from them
+                if limited:
+                    late = f" {policy.explain(uid, n, held)}"
+                elif qualify >= n:  # they qualify now: say what kept this waiter from them
                     late = (
                         f" {ahead} earlier waiter{'s' if ahead != 1 else ''} still in line."
                         if ahead
