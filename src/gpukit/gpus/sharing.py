@@ -296,6 +296,8 @@ def _line(folder: Path) -> list[dict[str, Any]]:
 def _waiters(
     line: list[dict[str, Any]], inv: Inventory, claims: dict[str, Holder], folder: Path
 ) -> list[Waiting]:
+    if not line:
+        return []
     reasons = _reasons(line, inv, claims, _refusals(folder))
     return [
         Waiting(
