@@ -1,27 +1,27 @@
 """The ledger: every claim's start and end, appended to per-user files in the lock folder.
 
->>> from gpukit.gpus.ledger import usage
->>> for user in usage(since=time.time() - 7 * 86400).users:     # doctest: +SKIP
-...     print(user.user, user.gpu_seconds / 3600, user.runs)
-alice 41.5 12
+>>> from gpukit.gpus.ledger import read_runs
+>>> [(r.user, r.gpus, r.exit_code) for r in read_runs(lock_dir())]    # doctest: +SKIP
+[('alice', ('GPU-8d11...',), 0)]
 
-Records are JSON lines in ``<lock folder>/ledger/<uid>.jsonl``, one file per user, opened with
-``O_APPEND`` and written with one ``write()`` each, under an exclusive ``flock``. Why not SQLite:
+Records are JSON lines (schema ``gpukit.ledger/1``) in ``<lock folder>/ledger/<uid>.jsonl``, one
+file per user. A record is written whole with one ``write()`` at the end of the file, under an
+exclusive ``flock`` that every writer of that file takes. Why not SQLite:
 
 - a reader of a WAL database needs write access to its ``-shm`` file (or must be able to create
-  it); another user who only reads the ledger (``gpukit usage``) could then fail or, worse,
-  would need a file every user can write, which a hostile co-user could rewrite;
-- SQLite creates ``-wal`` and ``-shm`` files beside the database, each one more name a
-  co-user could plant as a link in a folder everyone can write;
+  it); another user who only reads the ledger (``gpukit usage``) could not;
+- SQLite creates ``-wal`` and ``-shm`` files beside the database, each one more name a co-user
+  could plant as a link in a folder everyone can write;
 - an append is the whole write: ``kill -9`` of a writer leaves at most a partial last line,
   which readers skip and the next writer ends before adding its own.
 
 Trust: any user can write the lock folder, so a record is believed only when its ``uid`` field
 is the uid of the file's owner as the kernel reports it (``fstat``); the user name shown is the
-one ``/etc/passwd`` gives that uid, never the one written in the record. A writer appends only
-to a regular file it owns with one link, opened without following links; when another user has
-taken its file name, it takes the next one (``<uid>.1.jsonl``...). The ledger therefore never
-writes to another user's file and no user can speak in another's name.
+one the system gives that uid, never one written in a record. Files are opened through
+:mod:`.lockfiles` (no links, no FIFOs, one hard link), and a writer appends only to a file it
+owns; when another user has taken its file's name, it takes the next (``<uid>.1.jsonl``...).
+The ledger therefore never writes to another user's file, and no user can speak in another's
+name.
 """
 
 from __future__ import annotations
