@@ -238,3 +238,9 @@ def test_criteria_read_back_from_a_waiters_ticket_describe_the_same_request(
 def test_text_that_is_not_a_criteria_sentence_is_not_guessed_at() -> None:
     assert criteria_from_text("at least lots free") is None
     assert criteria_from_text("rm -rf /") is None
+
+
+def test_looking_at_a_machine_with_no_lock_folder_yet_does_not_create_one(locks: Path) -> None:
+    state = sharing(inventory())
+    assert (state.holders, state.waiters, state.idle) == ((), (), ())
+    assert not locks.exists()

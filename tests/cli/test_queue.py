@@ -171,6 +171,7 @@ def test_16_waiters_on_4_gpus_are_all_listed_in_arrival_order_and_never_share_a_
         watch.send_signal(signal.SIGINT)
         out, _ = watch.communicate(timeout=60)
     assert codes == [0] * 16
+    assert watch.returncode == 0  # Ctrl-C ends a watch as a finished one
     samples = [json.loads(line) for line in [first, *out.splitlines()]]
     pids = {p.pid for p in runs}
     # What each gpukit run was at each sample: "w" waiting, "h" holding, "." neither.

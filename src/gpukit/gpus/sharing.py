@@ -391,7 +391,8 @@ def _idle(
                 ):
                     idle_since = min(float(prev_since), now)
         seen[key] = {"seen": now, "idle_since": idle_since}
-    if observe:
+    if observe and (seen or before):
+        # Only with claims to observe: then the lock folder exists, and this never makes it.
         _write_observations(folder, seen)
     return [
         IdleClaim(c.gpus, c.user, c.pid, c.command, since, now - since)
