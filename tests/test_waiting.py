@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,7 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
+from gpukit.errors import LockFolderError
 from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import user_name
@@ -195,12 +199,16 @@ def test_links_fifos_and_folders_among_tickets_change_nothing_and_never_block(
         assert honest.ahead() == 0
 
 
-def test_a_queue_folder_that_is_a_link_is_not_followed(locks: Path, tmp_path: Path) -> None:
+def test_a_queue_folder_that_is_a_link_is_refused_not_followed(locks: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     with Ticket(elsewhere):
         locks.mkdir()
         (locks / "queue").symlink_to(elsewhere / "queue")
-        assert read_line(locks).waiters == ()
+        with pytest.raises(LockFolderError, match="symbolic link") as info:
+            read_line(locks)
+        assert info.value.exit_code == 5
+        with pytest.raises(LockFolderError, match="symbolic link"):
+            Ticket(locks)
         assert len(read_line(elsewhere).waiters) == 1
 
 
@@ -235,3 +243,52 @@ def test_claiming_with_a_forged_ticket_in_front_is_not_delayed(locks: Path, forg
         held = wait_and_claim(1, Criteria.make(), timeout=10, poll=0.01)
     with held:
         assert held.indices == [0]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+
+
+def _finite(value: object) -> bool:
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
+@example(changes={"since": 10**400}, drop=set())
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(["schema", "pid", "user", "uid", "n", "criteria", "command", "since"]),
+        _JSON,
+        max_size=3,
+    ),
+    drop=st.sets(st.sampled_from(["pid", "user", "n", "since"]), max_size=2),
+)
+def test_a_ticket_record_is_accepted_only_with_every_field_of_the_right_type(
+    changes: dict[str, object], drop: set[str]
+) -> None:
+    from gpukit.gpus.waiting import _record as parse
+
+    raw = {k: v for k, v in {**_record(4242), **changes}.items() if k not in drop}
+    parsed = parse(json.dumps(raw).encode())
+    good = (
+        not drop
+        and raw["schema"] == TICKET_SCHEMA
+        and all(type(raw[k]) is int for k in ("pid", "uid", "n"))
+        and raw["n"] >= 1  # type: ignore[operator]
+        and all(type(raw[k]) is str for k in ("user", "criteria", "command"))
+        and type(raw["since"]) in (int, float)
+        and _finite(raw["since"])
+    )
+    assert (parsed is not None) == good
+
+
+@given(st.binary(max_size=200))
+def test_any_bytes_in_a_ticket_are_read_without_an_error(data: bytes) -> None:
+    from gpukit.gpus.waiting import _record as parse
+
+    parse(data)

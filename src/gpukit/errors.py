@@ -161,11 +161,9 @@ class UserLimitError(NoGpuAvailableError):
     """A claim refused because it would take a user past a limit of the lock folder's policy."""
 
 
-class PolicyError(GpukitError, RuntimeError):
+class PolicyError(LockFolderError):
     """The administrator's policy file (``policy.toml`` in the lock folder) cannot be used.
 
     Unsafe (writable by users other than the administrator) or malformed: gpukit refuses to
     guess what limits were meant, so nothing is claimed until it is fixed.
     """
-
-    exit_code = ExitCode.USAGE

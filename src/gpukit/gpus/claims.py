@@ -120,7 +120,10 @@ def _text(value: object, limit: int) -> str | None:
 def _number(value: object, low: float, high: float) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) and low <= value <= high else None
+    # Compared before any conversion: float() of a 400-digit int raises OverflowError.
+    if not low <= value <= high or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return float(value)
 
 
 def _read_holder(data: bytes) -> Holder:

@@ -41,9 +41,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gpukit.errors import PolicyError
+from gpukit.errors import LockFolderError, PolicyError
 from gpukit.gpus.claims import current_claims, lock_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
+from gpukit.gpus.lockfiles import open_folder, open_lock_file
+from gpukit.gpus.lockfiles import owner_name as user_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,15 +54,7 @@ else:  # pragma: no cover - the same parser, before it joined the standard libra
 
 POLICY_FILE = "policy.toml"
 _MAX_POLICY_BYTES = 64 * 1024
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-
-
-def user_name(uid: int) -> str:
-    """``'alice'`` for a uid with an account, else the uid as a string."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
+__all__ = ["POLICY_FILE", "Limits", "Policy", "holdings", "load_policy", "user_name"]
 
 
 @dataclass(frozen=True)
@@ -148,10 +142,9 @@ def load_policy(folder: Path | None = None) -> Policy:
     unsafe or malformed; another user's file is ignored (see :attr:`Policy.ignored`).
     """
     folder = lock_dir() if folder is None else Path(folder)
-    try:
-        folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
+    if not os.path.lexists(folder):
         return Policy()  # no lock folder yet: no one has set a policy in it
+    folder_fd = open_folder(folder)
     try:
         return _load(folder_fd, folder / POLICY_FILE)
     finally:
@@ -194,10 +187,11 @@ def _load(folder_fd: int, path: Path) -> Policy:
 
 def _read(folder_fd: int, path: Path, seen: os.stat_result) -> bytes:
     try:
-        fd = os.open(POLICY_FILE, _OPEN_FLAGS, dir_fd=folder_fd)
-    except OSError as exc:
+        fd = open_lock_file(path.parent, POLICY_FILE, dir_fd=folder_fd)
+    except (OSError, LockFolderError) as exc:  # gone, or swapped for a link since the lstat
         raise PolicyError(
-            f"Cannot read the policy {path}: {exc.strerror}.", hint="Ask an administrator."
+            f"Cannot read the policy {path}: {getattr(exc, 'message', None) or exc}.",
+            hint="Ask an administrator.",
         ) from exc
     try:
         info = os.fstat(fd)
@@ -227,11 +221,16 @@ def holdings(folder: Path | None = None) -> dict[int, tuple[str, ...]]:
                 by_name.setdefault(pwd.getpwnam(str(holder.user)).pw_uid, []).append(uuid)
         return {uid: tuple(sorted(uuids)) for uid, uuids in by_name.items()}
     held: dict[int, list[str]] = {}
+    if not os.path.lexists(folder):
+        return {}
+    folder_fd = open_folder(folder)
     try:
-        with os.scandir(folder) as entries:
+        with os.scandir(folder_fd) as entries:
             locks = [(e.name, e.inode()) for e in entries if e.name.endswith(".lock")]
     except OSError:
         return {}
+    finally:
+        os.close(folder_fd)
     for name, inode in locks:
         if name.startswith("."):
             continue

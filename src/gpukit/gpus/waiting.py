@@ -22,6 +22,10 @@ a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
 :attr:`Line.foreign`. Nothing here waits on a file, so ``--timeout`` always holds. A waiter
 that dies (even by SIGKILL) loses its lock with its life: a dead waiter never blocks the line.
 
+The kernel's lock table names processes as this process's pid namespace sees them, so waiters
+in containers with pid namespaces of their own that share one lock folder do not see each
+other's tickets as live; give each such container its own GPUs, or share the pid namespace.
+
 What a co-user can still do: queue honestly (a live process of theirs holding a well-formed
 ticket is a waiter, shown with its user, pid and command) and hold real claims.
 
@@ -31,7 +35,6 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import math
@@ -46,11 +49,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from gpukit.errors import ClaimError, NoGpuAvailableError, UserLimitError, WaitTimeoutError
+from gpukit.errors import (
+    ClaimError,
+    LockFolderError,
+    NoGpuAvailableError,
+    UnsafeLockFileError,
+    UserLimitError,
+    WaitTimeoutError,
+)
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir, shared_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.policy import Policy, holdings, user_name
+from gpukit.gpus.lockfiles import open_folder, open_lock_file
+from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.gpus.policy import Limits, Policy, holdings
 from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
 
 __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
@@ -59,8 +71,7 @@ TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
 _SUFFIX = ".ticket"
 _MAX_RECORD = 64 * 1024
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TICKET_MODE = 0o644  # others read it (and lock it shared, to probe); only its owner writes
 
 
 @dataclass(frozen=True)
@@ -113,22 +124,23 @@ def read_line(folder: Path | None = None) -> Line:
     """The line of waiters of the lock folder ``folder`` (default: the machine's), in order.
 
     Never blocks, never follows a link; what does not count as a waiter is in ``foreign``.
+    Raises LockFolderError when the queue folder is refused (a link, another user's folder
+    that others could write without the sticky bit).
 
     >>> [(w.position, w.user, w.n) for w in read_line().waiters]   # doctest: +SKIP
     [(1, 'alice', 2), (2, 'bob', 1)]
     """
     queue = _queue_of(folder)
+    if not os.path.lexists(queue):
+        return Line()  # no one has waited here yet
+    dir_fd = open_folder(queue)
     try:
-        dir_fd = os.open(queue, _DIR_FLAGS)
-    except OSError:
-        return Line()  # no one has waited here yet (or the folder is not one: nothing waits)
-    try:
-        return _read(dir_fd)
+        return _read(dir_fd, queue)
     finally:
         os.close(dir_fd)
 
 
-def _read(dir_fd: int, *, tidy: bool = False) -> Line:
+def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
     with os.scandir(dir_fd) as entries:
         listed = sorted((e.name, e.inode()) for e in entries if not e.name.startswith("."))
     # Read after the folder: a ticket is locked before its name appears, so every live ticket
@@ -141,11 +153,16 @@ def _read(dir_fd: int, *, tidy: bool = False) -> Line:
             foreign.append(Foreign(name, "not a ticket"))
             continue
         if table is not None and not table.get(inode):
-            foreign.append(Foreign(name, _unheld(dir_fd, name)))
-            if tidy:
-                _remove_if_abandoned(dir_fd, name)
+            try:  # lstat: opens nothing, never blocks
+                info: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
+            except OSError:
+                info = None
+            foreign.append(Foreign(name, _unheld(info)))
+            mine = info is not None and info.st_uid == os.getuid()
+            if tidy and mine and info is not None and stat.S_ISREG(info.st_mode):
+                _remove_if_abandoned(dir_fd, queue, name)
             continue
-        waiter = _waiter(dir_fd, name, inode, table)
+        waiter = _waiter(dir_fd, queue, name, inode, table)
         if isinstance(waiter, str):
             foreign.append(Foreign(name, waiter))
         else:
@@ -166,37 +183,33 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _unheld(dir_fd: int, name: str) -> str:
-    """Why an entry no process locks is not a ticket (``lstat``: opens nothing, never blocks)."""
-    try:
-        mode = os.lstat(name, dir_fd=dir_fd).st_mode
-    except OSError:
+def _unheld(info: os.stat_result | None) -> str:
+    """Why an entry no process locks (``info``: its ``lstat``, if still there) is no ticket."""
+    if info is None:
         return "gone"
-    return "not held by a live waiter" if stat.S_ISREG(mode) else _kind(mode)
+    return "not held by a live waiter" if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
 
 
-def _open_entry(dir_fd: int, name: str) -> int | str:
-    """The entry ``name`` opened read-only and checked, or why it is not a ticket.
+def _open_entry(dir_fd: int, queue: Path, name: str) -> int | str:
+    """The entry ``name`` opened read-only through :mod:`.lockfiles`, or why it is not a ticket.
 
     Never follows a link, never blocks (a FIFO), never keeps anything but a regular file with
     one link.
     """
     try:
-        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "a symbolic link"
-        return f"cannot be opened ({exc.strerror})"
-    info = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(info.st_mode):
-        why = _kind(info.st_mode)
-    elif info.st_nlink != 1:
-        why = f"a file with {info.st_nlink} hard links"
-    if why is not None:
-        os.close(fd)
-        return why
-    return fd
+        return open_lock_file(queue, name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return "gone"
+    except UnsafeLockFileError:
+        try:
+            info = os.lstat(name, dir_fd=dir_fd)
+        except OSError:
+            return "gone"
+        if stat.S_ISREG(info.st_mode):
+            return f"a file with {info.st_nlink} hard links"
+        return _kind(info.st_mode)
+    except LockFolderError as exc:
+        return f"cannot be opened ({exc.message})"
 
 
 def _record(data: bytes) -> dict[str, Any] | None:
@@ -219,15 +232,19 @@ def _record(data: bytes) -> dict[str, Any] | None:
         value = raw.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             return None
-    if raw["n"] < 1 or not math.isfinite(raw["since"]):
+    try:
+        since = float(raw["since"])  # an int of 400 digits is no time: OverflowError
+    except OverflowError:
+        return None
+    if raw["n"] < 1 or not math.isfinite(since):
         return None
     return raw
 
 
 def _waiter(
-    dir_fd: int, name: str, inode: int, table: dict[int, frozenset[int]] | None
+    dir_fd: int, queue: Path, name: str, inode: int, table: dict[int, frozenset[int]] | None
 ) -> Waiter | str:
-    fd = _open_entry(dir_fd, name)
+    fd = _open_entry(dir_fd, queue, name)
     if isinstance(fd, str):
         return fd
     try:
@@ -271,9 +288,9 @@ def _waiter(
     )
 
 
-def _remove_if_abandoned(dir_fd: int, name: str) -> None:
+def _remove_if_abandoned(dir_fd: int, queue: Path, name: str) -> None:
     """Remove a ticket of this user whose waiter died (killed before it could tidy up)."""
-    fd = _open_entry(dir_fd, name)
+    fd = _open_entry(dir_fd, queue, name)
     if isinstance(fd, str):
         return
     try:
@@ -302,7 +319,7 @@ class Ticket:
         command: str | None = None,
     ) -> None:
         self.queue = shared_dir(shared_dir(lock_dir() if folder is None else Path(folder)) / QUEUE)
-        self._dir: int | None = os.open(self.queue, _DIR_FLAGS)
+        self._dir: int | None = open_folder(self.queue)
         name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
         uid = os.getuid()
         record = {
@@ -316,21 +333,28 @@ class Ticket:
             "since": time.time(),
         }
         # Locked and written before it gets its visible name, so that no one ever sees it
-        # unlocked or empty and takes it for an abandoned or forged ticket.
+        # unlocked or empty and takes it for an abandoned or forged ticket. Created private:
+        # a co-user who opened it first could hold a shared lock on it and block ours forever.
         hidden = f".{name}"
-        self._fd: int | None = os.open(
-            hidden,
-            os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-            dir_fd=self._dir,
-        )
+        self._fd: int | None = None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._fd = open_lock_file(
+                self.queue,
+                hidden,
+                dir_fd=self._dir,
+                write=True,
+                create=True,
+                exclusive=True,
+                mode=0o600,
+            )
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(self._fd, json.dumps(record).encode())
+            os.fchmod(self._fd, _TICKET_MODE)
             os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(hidden, dir_fd=self._dir)
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(hidden, dir_fd=self._dir)
             self.close()
             raise
         self.name = name
@@ -342,7 +366,7 @@ class Ticket:
         """The line as it stands now; tidies away this user's tickets whose waiters died."""
         if self._dir is None:
             return Line()
-        return _read(self._dir, tidy=True)
+        return _read(self._dir, self.queue, tidy=True)
 
     def waiters_ahead(self, line: Line) -> list[Waiter]:
         """The waiters of ``line`` that arrived before this one."""
@@ -410,6 +434,7 @@ def wait_and_claim(
             policy.explain(uid, n, holdings(folder)),
             hint="Waiting cannot help: ask for fewer GPUs, or ask the administrator.",
         )
+    limits = policy.limits != Limits()
     start = time.monotonic()
     streak: dict[str, int] = {}
     with Ticket(folder, n=n, criteria=criteria.describe(), command=command) as ticket:
@@ -419,7 +444,7 @@ def wait_and_claim(
             ready = best_first(
                 (v.gpu for v in verdicts if v.ok and streak[v.gpu.uuid] >= settle), order
             )
-            held = holdings(folder)
+            held = holdings(folder) if limits else {}
             ahead = sum(
                 policy.refusal(w.uid, w.n, held) is None
                 for w in ticket.waiters_ahead(ticket.line())
@@ -433,7 +458,7 @@ def wait_and_claim(
                 else:
                     # Another process of this user may have claimed meanwhile: never past
                     # the limit, even for a moment's race.
-                    if policy.refusal(uid, 0, holdings(folder)) is None:
+                    if not limits or policy.refusal(uid, 0, holdings(folder)) is None:
                         return got
                     got.release()
             qualify = sum(v.ok for v in verdicts)
