@@ -157,8 +157,8 @@ def test_a_busy_reading_starts_the_count_again(
 def test_idle_readings_in_a_file_another_user_planted_are_not_believed(locks: Path) -> None:
     inv = inventory()
     with claim([inv.gpu(0)]):
-        sharing(inv, idle_after=60)  # makes the ledger folder and this user's readings
-        path = locks / "ledger" / f"{os.geteuid()}.observed.json"
+        sharing(inv, idle_after=60)  # keeps this user's readings
+        path = locks / f"observed-{os.geteuid()}.json"
         data = json.loads(path.read_text())
         path.unlink()
         for key in data:

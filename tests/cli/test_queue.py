@@ -280,5 +280,5 @@ def test_another_user_than_the_lock_folders_creator_can_claim_queue_and_count_us
     assert code == 0
     counted = {u["user"]: (u["runs"], u["held_now"]) for u in json.loads(usage)["users"]}
     assert counted == {"root": (1, 1), nobody: (1, 0)}
-    ledger_files = {p.name: p.stat().st_uid for p in (shared_locks / "ledger").glob("*.jsonl")}
-    assert ledger_files == {"0.jsonl": 0, f"{NOBODY}.jsonl": NOBODY}
+    ledger_files = {p.name: p.stat().st_uid for p in shared_locks.glob("ledger-*.jsonl")}
+    assert ledger_files == {"ledger-0.jsonl": 0, f"ledger-{NOBODY}.jsonl": NOBODY}

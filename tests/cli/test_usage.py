@@ -30,7 +30,7 @@ def _env(locks: Path) -> dict[str, str | None]:
 
 def _ledger(locks: Path, *runs: tuple[str, float, float, int]) -> None:
     """Write finished runs (claim id, start, end, number of GPUs) into this user's ledger."""
-    path = locks / "ledger" / f"{os.geteuid()}.jsonl"
+    path = locks / f"ledger-{os.geteuid()}.jsonl"
     path.parent.mkdir(parents=True)
     with path.open("w") as f:
         for claim, start, end, n in runs:

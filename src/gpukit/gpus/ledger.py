@@ -4,7 +4,7 @@
 >>> [(r.user, r.gpus, r.exit_code) for r in read_runs(lock_dir())]    # doctest: +SKIP
 [('alice', ('GPU-8d11...',), 0)]
 
-Records are JSON lines (schema ``gpukit.ledger/1``) in ``<lock folder>/ledger/<uid>.jsonl``, one
+Records are JSON lines (schema ``gpukit.ledger/1``) in ``<lock folder>/ledger-<uid>.jsonl``, one
 file per user. A record is written whole with one ``write()`` at the end of the file, under an
 exclusive ``flock`` that every writer of that file takes. Why not SQLite:
 
@@ -19,7 +19,7 @@ Trust: any user can write the lock folder, so a record is believed only when its
 is the uid of the file's owner as the kernel reports it (``fstat``); the user name shown is the
 one the system gives that uid, never one written in a record. Files are opened through
 :mod:`.lockfiles` (no links, no FIFOs, one hard link), and a writer appends only to a file it
-owns; when another user has taken its file's name, it takes the next (``<uid>.1.jsonl``...).
+owns; when another user has taken its file's name, it takes the next (``ledger-<uid>.1.jsonl``).
 The ledger therefore never writes to another user's file, and no user can speak in another's
 name.
 """
@@ -35,22 +35,23 @@ import math
 import os
 import time
 import uuid as uuid_module
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gpukit.errors import GpukitError, LockFolderError
-from gpukit.gpus.lockfiles import open_folder, open_lock_file, owner_name
+from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
 
 SCHEMA = "gpukit.ledger/1"
 """The ``schema`` field of every ledger record."""
 
+_PREFIX = "ledger-"
 _SUFFIX = ".jsonl"
 _FILE_MODE = 0o644  # others read it for `gpukit usage`; only its owner appends
 _NAME_TRIES = 8
 _MAX_READ = 256 * 2**20  # a ledger file larger than this is not one gpukit wrote
-# Claims of this process whose end is not yet written: claim id -> ledger folder. Written at
+# Claims of this process whose end is not yet written: claim id -> (pid, lock folder). Written at
 # exit for gk.claim() on its own line, which is held until the process ends.
 _OPEN: dict[str, tuple[int, Path]] = {}
 
@@ -83,35 +84,19 @@ class Run:
     """Still held now (then it counts up to now)."""
 
 
-def ledger_dir(lock_folder: Path) -> Path:
-    """The ledger's folder inside the lock folder."""
-    return lock_folder / "ledger"
+def _opened(lock_folder: Path, *, create: bool = False) -> contextlib.AbstractContextManager[int]:
+    """The lock folder's descriptor, opened and checked by :mod:`.lockfiles`.
 
-
-@contextlib.contextmanager
-def opened_ledger_dir(lock_folder: Path, *, create: bool = False) -> Iterator[int]:
-    """The ledger folder's descriptor, opened safely (:mod:`.lockfiles`) and checked.
-
-    Beyond the lock folder's trust model, its owner must be root, you, or the lock folder's
-    owner: the owner of a sticky folder may delete any file in it, so a co-user who made the
-    ledger folder could erase everyone's records.
+    The ledger's files sit in the lock folder itself, not in a folder of their own: whoever
+    made such a folder could delete everyone's records in it, while the lock folder's owner is
+    already trusted with the claims (root, after ``gpukit setup-locks``).
     """
-    path = ledger_dir(lock_folder)
-    try:
-        fd = open_folder(path, create=create)
-    except LockFolderError as exc:
-        raise LedgerError(exc.message, hint=exc.hint) from exc
-    try:
-        owner = os.fstat(fd).st_uid
-        if owner not in (0, os.geteuid(), os.stat(lock_folder).st_uid):
-            raise LedgerError(
-                f"Refused the gpukit ledger folder {path}: it belongs to {owner_name(owner)}, "
-                "who could delete every user's records in it.",
-                hint="Ask root or the lock folder's owner to remove it; gpukit makes it again.",
-            )
-        yield fd
-    finally:
-        os.close(fd)
+    return opened_folder(lock_folder, create=create)
+
+
+def ledger_name(uid: int, n: int = 0) -> str:
+    """``ledger-<uid>.jsonl``, or ``ledger-<uid>.<n>.jsonl`` when another user took that name."""
+    return f"{_PREFIX}{uid}{_SUFFIX}" if n == 0 else f"{_PREFIX}{uid}.{n}{_SUFFIX}"
 
 
 def _own_file(folder: Path, dir_fd: int) -> int:
@@ -119,7 +104,7 @@ def _own_file(folder: Path, dir_fd: int) -> int:
     uid = os.geteuid()
     refused = []
     for n in range(_NAME_TRIES):
-        name = f"{uid}{_SUFFIX}" if n == 0 else f"{uid}.{n}{_SUFFIX}"
+        name = ledger_name(uid, n)
         try:
             fd = open_lock_file(
                 folder, name, dir_fd=dir_fd, write=True, create=True, mode=_FILE_MODE
@@ -142,9 +127,12 @@ def _own_file(folder: Path, dir_fd: int) -> int:
 
 def _append(folder: Path, record: dict[str, Any]) -> None:
     data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-    target = ledger_dir(folder)
-    with opened_ledger_dir(folder, create=True) as dir_fd:
-        fd = _own_file(target, dir_fd)
+    target = folder
+    try:
+        with _opened(folder, create=True) as dir_fd:
+            fd = _own_file(target, dir_fd)
+    except LockFolderError as exc:
+        raise LedgerError(exc.message, hint=exc.hint) from exc
     try:
         # Only this user's processes write this file, and each holds the flock while it
         # appends: the end of the file cannot move under us.
@@ -306,16 +294,14 @@ def read_runs(folder: Path, live: Iterable[tuple[int | None, float | None]] = ()
     start of the next claim of one of its GPUs, the latest moment it can have ended; with no
     such claim its end stays ``None``.
     """
-    target = ledger_dir(folder)
     runs: list[Run] = []
-    try:
-        with opened_ledger_dir(folder) as dir_fd:
-            for name in sorted(os.listdir(dir_fd)):
-                if name.endswith(_SUFFIX) and not name.startswith("."):
-                    with contextlib.suppress(OSError, GpukitError):
-                        runs.extend(_runs_of(*_trusted_records(target, name, dir_fd)))
-    except GpukitError:
-        return []  # no ledger yet, or one that is refused: nothing to believe
+    if not os.path.lexists(folder):
+        return []  # no claim was ever made here
+    with _opened(folder) as dir_fd:
+        for name in sorted(os.listdir(dir_fd)):
+            if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
+                with contextlib.suppress(OSError, GpukitError):
+                    runs.extend(_runs_of(*_trusted_records(folder, name, dir_fd)))
     runs.sort(key=lambda r: r.start)
     held = set(live)
     return [_settle(run, runs, held) for run in runs]

@@ -14,8 +14,8 @@ What ``gpukit queue`` shows. Never imports torch.
   its holder and the holder's descendants (``/proc/<pid>/stat`` parents), since ``gpukit run``
   holds the claim while the command it starts uses the GPU.
 - Idle claims: every GPU of the claim showed no process and 0% utilisation at every reading
-  since ``idle_since``. Readings are this user's own, kept in ``<lock folder>/ledger/<uid>
-  .observed.json`` by each ``sharing(observe=True)`` call (each ``gpukit queue``); a reading
+  since ``idle_since``. Readings are this user's own, kept in ``<lock folder>/observed-<uid>
+  .json`` by each ``sharing(observe=True)`` call (each ``gpukit queue``); a reading
   further apart from the previous one than the threshold starts the count again, so a claim is
   called idle only after readings at most one threshold apart, for longer than the threshold.
   Keep ``gpukit queue --watch`` (or a cron job running ``gpukit queue --json``) going to see it.
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.errors import GpukitError
-from gpukit.gpus import ledger, waiting
+from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.lockfiles import open_lock_file
+from gpukit.gpus.lockfiles import open_lock_file, opened_folder
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import Criteria, assess
 
@@ -328,13 +328,13 @@ def _claim_key(claim: HeldClaim) -> str:
 
 
 def _observations_name() -> str:
-    return f"{os.geteuid()}.observed.json"
+    return f"observed-{os.geteuid()}.json"
 
 
 def _read_observations(folder: Path) -> dict[str, Any]:
     try:
-        with ledger.opened_ledger_dir(folder) as dir_fd:
-            fd = open_lock_file(ledger.ledger_dir(folder), _observations_name(), dir_fd=dir_fd)
+        with opened_folder(folder) as dir_fd:
+            fd = open_lock_file(folder, _observations_name(), dir_fd=dir_fd)
     except (OSError, GpukitError):
         return {}
     try:
@@ -351,13 +351,9 @@ def _read_observations(folder: Path) -> dict[str, Any]:
 def _write_observations(folder: Path, data: dict[str, Any]) -> None:
     name = _observations_name()
     hidden = f".{name}.{uuid_module.uuid4().hex[:8]}"
-    target = ledger.ledger_dir(folder)
-    with (
-        contextlib.suppress(OSError, GpukitError),
-        ledger.opened_ledger_dir(folder, create=True) as dir_fd,
-    ):
+    with contextlib.suppress(OSError, GpukitError), opened_folder(folder) as dir_fd:
         fd = open_lock_file(
-            target, hidden, dir_fd=dir_fd, write=True, create=True, exclusive=True, mode=0o600
+            folder, hidden, dir_fd=dir_fd, write=True, create=True, exclusive=True, mode=0o600
         )
         try:
             os.write(fd, json.dumps(data).encode())
