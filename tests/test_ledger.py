@@ -248,6 +248,12 @@ def test_16_concurrent_claimers_of_20_claims_each_leave_320_runs_and_exact_total
         for p in workers:
             p.join(timeout=300)
         assert [p.exitcode for p in workers] == [0] * 16
+        lines = [
+            json.loads(line)
+            for path in folder.glob("ledger-*.jsonl")
+            for line in path.read_text().splitlines()
+        ]
+        assert sorted(r["event"] for r in lines) == ["end"] * 320 + ["start"] * 320
         runs = held_runs(folder)
         assert len(runs) == 320
         assert all(r.end is not None and not r.held for r in runs)
