@@ -65,15 +65,21 @@ def test_one_process_holding_two_gpus_is_one_holder_with_both_indices() -> None:
     assert (holder.gpus, holder.pid, holder.command) == ((1, 3), os.getpid(), "python train.py")
 
 
-def test_a_holder_is_shown_as_the_user_running_it_not_the_user_its_lock_file_names() -> None:
+def test_a_holder_is_the_process_the_kernel_says_holds_the_lock_not_the_one_its_record_names() -> (
+    None
+):
     inv = inventory()
     with claim([inv.gpu(0)]) as held:
         fd = held._fds[inv.gpu(0).uuid]
-        forged = json.dumps({"user": "mallory", "pid": os.getpid(), "since": 1.0}).encode()
-        os.pwrite(fd, forged, 0)
-        os.ftruncate(fd, len(forged))
+        forged = {"user": "mallory", "pid": 1, "command": "innocent", "since": 1.0}
+        data = json.dumps(forged).encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
         [holder] = sharing(inv).holders
-    assert holder.user == pwd.getpwuid(os.getuid()).pw_name
+    assert (holder.pid, holder.user) == (os.getpid(), pwd.getpwuid(os.getuid()).pw_name)
+    assert holder.command is not None
+    assert "innocent" not in holder.command
+    assert "python" in holder.command or "pytest" in holder.command
 
 
 def test_a_child_of_the_holder_is_covered_by_its_claim_and_other_processes_are_not(

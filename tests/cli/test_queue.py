@@ -249,12 +249,18 @@ def _as_nobody(folder: str, out: Any) -> None:
 def test_another_user_than_the_lock_folders_creator_can_claim_queue_and_count_usage(
     shared_locks: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import importlib
     import multiprocessing
     import pwd
 
-    import gpukit.cli.queue
-    import gpukit.cli.usage
-    import gpukit.gpus.fake_nvml  # noqa: F401 - imported before the child stops being root
+    # Imported before the child stops being root, who alone may read this Python's files.
+    for module in (
+        "encodings.ascii",
+        "gpukit.cli.queue",
+        "gpukit.cli.usage",
+        "gpukit.gpus.fake_nvml",
+    ):
+        importlib.import_module(module)
 
     for key, value in _env(shared_locks).items():
         monkeypatch.setenv(key, value)

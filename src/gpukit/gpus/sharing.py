@@ -7,8 +7,9 @@
 
 What ``gpukit queue`` shows. Never imports torch.
 
-- Holders come from the claims' lock files. The user shown is the owner of the holder's
-  process as the kernel reports it (``/proc``) while it lives, else what its lock file says.
+- Holders come from the claims' lock files, checked against the kernel's lock table
+  (``/proc/locks``): where another process than the record names holds a lock, that process
+  is shown. The user shown is the owner of the holder's process as the kernel reports it.
 - Waiters come from the line of waiters, in service order, each with why it is not served yet.
 - Unclaimed use: a process NVML sees on a GPU that no claim of that GPU covers. A claim covers
   its holder and the holder's descendants (``/proc/<pid>/stat`` parents), since ``gpukit run``
@@ -29,13 +30,14 @@ import os
 import re
 import uuid as uuid_module
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from gpukit.errors import GpukitError
 from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
+from gpukit.gpus.flocks import exclusive_flocks
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder
 from gpukit.gpus.policy import holdings, load_policy
@@ -159,11 +161,41 @@ def ancestors(pid: int) -> list[int]:
     return found
 
 
-def _holders(claims: dict[str, Holder], inv: Inventory) -> list[HeldClaim]:
+def _cmdline(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip() or None
+
+
+def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
+    """``holder`` as its lock record says, corrected by the kernel's lock table.
+
+    A record is written by whoever holds the lock, so it could name someone else's process;
+    where the kernel says another pid holds the lock, that pid and its command line win.
+    """
+    if table is None:
+        return holder  # no lock table (not Linux): the record is all there is
+    try:
+        pids = table.get(os.lstat(lock).st_ino, frozenset()) - {0}
+    except OSError:
+        return holder
+    if not pids or holder.pid in pids:
+        return holder  # verified, or held from another pid namespace (pid 0): unverifiable
+    pid = min(pids)
+    return replace(holder, user=None, pid=pid, command=_cmdline(pid))
+
+
+def _holders(
+    claims: dict[str, Holder], inv: Inventory, folder: Path, table: dict[int, frozenset[int]] | None
+) -> list[HeldClaim]:
     index = {g.uuid: g.index for g in inv.gpus}
     groups: dict[tuple[int | None, float | None, str | None, str | None], list[str]] = {}
     records: dict[tuple[int | None, float | None, str | None, str | None], Holder] = {}
-    for uuid, holder in claims.items():
+    for uuid, recorded in claims.items():
+        holder = _true_holder(recorded, folder / f"{uuid}.lock", table)
         key = (holder.pid, holder.since, holder.user, holder.command)
         groups.setdefault(key, []).append(uuid)
         records[key] = holder
@@ -415,7 +447,7 @@ def sharing(
     # so read in this order, each process that waits or holds shows in one list at least.
     line = _line(base)
     claims = current_claims(base)
-    held = _holders(claims, inv)
+    held = _holders(claims, inv, base, exclusive_flocks())
     return Sharing(
         taken_at=inv.taken_at,
         holders=tuple(held),
