@@ -123,6 +123,8 @@ def test_a_run_whose_holder_died_silently_ends_when_its_gpu_is_next_claimed(
     assert runs["lost"].end is None
     [user] = usage(until=5000.0).users
     assert (user.gpu_seconds, user.runs, user.unknown_end) == (600.0 + 200.0, 3, 1)
+    # "lost" began before this period and its end is unknown: it does not haunt later periods.
+    assert usage(since=1900.0, until=5000.0).users == ()
 
 
 def test_a_claim_never_released_ends_with_its_process(locks: Path) -> None:

@@ -111,6 +111,8 @@ def usage(
         end = now if run.held else run.end
         if run.start > now or (end is not None and end < start):
             continue
+        if end is None and run.start < start:
+            continue  # lost before the period began: it would haunt every later period
         entry = totals.setdefault(
             run.uid,
             {"user": run.user, "seconds": 0.0, "runs": 0, "longest": 0.0, "held": 0, "unknown": 0},
