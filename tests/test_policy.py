@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import gpukit as gk
 from gpukit.errors import PolicyError, UserLimitError
@@ -248,3 +251,48 @@ def test_a_waiter_held_back_by_its_users_limit_does_not_hold_up_the_line(
             other.kill()
             other.wait()
         shutil.rmtree(shared)
+
+
+_VALUES = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(alphabet="abc12 ", max_size=4).map(json.dumps),
+    st.lists(st.integers(0, 9), max_size=3),
+).map(lambda v: json.dumps(v) if isinstance(v, list) else v)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["max_gpus_per_user", "max_hours", "limit"]), _VALUES, max_size=2
+    ),
+    st.sampled_from(["limits", "limit", "other"]),
+)
+def test_a_policy_is_read_exactly_or_refused_with_a_policy_error(
+    entries: dict[str, object], table: str
+) -> None:
+    from gpukit.gpus.policy import _parse
+
+    def toml(value: object) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    text = f"[{table}]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in entries.items())
+    value = entries.get("max_gpus_per_user")
+    good = (
+        table == "limits"
+        and set(entries) <= {"max_gpus_per_user"}
+        and (value is None or (type(value) is int and value >= 0))
+    )
+    if good:
+        assert _parse(text.encode(), Path("policy.toml")) == Limits(max_gpus_per_user=value)  # type: ignore[arg-type]
+    else:
+        with pytest.raises(PolicyError):
+            _parse(text.encode(), Path("policy.toml"))
+
+
+@given(st.binary(max_size=100))
+def test_any_bytes_in_a_policy_are_read_or_refused_with_a_policy_error(data: bytes) -> None:
+    from gpukit.gpus.policy import _parse
+
+    with contextlib.suppress(PolicyError):
+        _parse(data, Path("policy.toml"))

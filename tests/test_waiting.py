@@ -292,3 +292,17 @@ def test_any_bytes_in_a_ticket_are_read_without_an_error(data: bytes) -> None:
     from gpukit.gpus.waiting import _record as parse
 
     parse(data)
+
+
+def test_without_a_kernel_lock_table_a_ticket_counts_while_its_lock_is_held(
+    locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpukit.gpus.waiting as waiting
+
+    monkeypatch.setattr(waiting, "exclusive_flocks", lambda: None)  # as on macOS
+    with Ticket() as honest:
+        dead = honest.queue / EARLY
+        dead.write_text(json.dumps(_record(os.getpid())))
+        line = read_line()
+        assert [w.ticket for w in line.waiters] == [honest.name]
+        assert [(f.name, f.why) for f in line.foreign] == [(EARLY, "not held by a live waiter")]

@@ -103,11 +103,13 @@ def acquire(
     ever qualify (excluded, in MIG mode, lost by NVML, too small) or a request above the
     lock folder's per-user limit fail at once. ``command`` is recorded in the claim and the
     ticket for ``gpukit list`` and ``gpukit queue`` (default: this process's command line);
-    ``on_status`` receives a line of text at each poll.
+    ``on_status`` receives a line of text at each poll; ``read`` reads the GPUs (default
+    :func:`gpukit.inventory`; tests pass a stand-in).
 
     Raises InvalidArgumentError for bad arguments (an ``exclude`` naming a GPU the machine
     does not have included), UserLimitError (exit 4) when this user already holds their share,
-    PolicyError for a policy file gpukit refuses, NoDriverError without NVML.
+    PolicyError (exit 5) for a policy file gpukit refuses, LockFolderError (exit 5) for a lock
+    folder it refuses or cannot write, NoDriverError (exit 3) without NVML.
 
     >>> held = acquire(1, max_util=10)                     # doctest: +SKIP
     >>> held.indices, held.release()                       # doctest: +SKIP
