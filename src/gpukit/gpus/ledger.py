@@ -84,16 +84,6 @@ class Run:
     """Still held now (then it counts up to now)."""
 
 
-def _opened(lock_folder: Path, *, create: bool = False) -> contextlib.AbstractContextManager[int]:
-    """The lock folder's descriptor, opened and checked by :mod:`.lockfiles`.
-
-    The ledger's files sit in the lock folder itself, not in a folder of their own: whoever
-    made such a folder could delete everyone's records in it, while the lock folder's owner is
-    already trusted with the claims (root, after ``gpukit setup-locks``).
-    """
-    return opened_folder(lock_folder, create=create)
-
-
 def ledger_name(uid: int, n: int = 0) -> str:
     """``ledger-<uid>.jsonl``, or ``ledger-<uid>.<n>.jsonl`` when another user took that name."""
     return f"{_PREFIX}{uid}{_SUFFIX}" if n == 0 else f"{_PREFIX}{uid}.{n}{_SUFFIX}"
@@ -127,10 +117,11 @@ def _own_file(folder: Path, dir_fd: int) -> int:
 
 def _append(folder: Path, record: dict[str, Any]) -> None:
     data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-    target = folder
     try:
-        with _opened(folder, create=True) as dir_fd:
-            fd = _own_file(target, dir_fd)
+        # The files sit in the lock folder itself, held to its trust model, not in a folder of
+        # their own: whoever made that folder could delete everyone's records in it.
+        with opened_folder(folder, create=True) as dir_fd:
+            fd = _own_file(folder, dir_fd)
     except LockFolderError as exc:
         raise LedgerError(exc.message, hint=exc.hint) from exc
     try:
@@ -144,7 +135,7 @@ def _append(folder: Path, record: dict[str, Any]) -> None:
             raise OSError(errno.ENOSPC, "short write")
     except OSError as exc:
         raise LedgerError(
-            f"Cannot append to the gpukit ledger in {target} ({exc.strerror}).",
+            f"Cannot append to the gpukit ledger in {folder} ({exc.strerror}).",
             hint="Free space in the lock folder's file system.",
         ) from exc
     finally:
@@ -164,9 +155,8 @@ def record_start(
     ``folder`` is the lock folder; ``since`` is the claim's start as its lock file records it.
     """
     claim_id = uuid_module.uuid4().hex
-    base = folder
     _append(
-        base,
+        folder,
         {
             "schema": SCHEMA,
             "event": "start",
@@ -179,7 +169,7 @@ def record_start(
             "time": since,
         },
     )
-    _OPEN[claim_id] = (os.getpid(), base)
+    _OPEN[claim_id] = (os.getpid(), folder)
     return claim_id
 
 
@@ -297,7 +287,7 @@ def read_runs(folder: Path, live: Iterable[tuple[int | None, float | None]] = ()
     runs: list[Run] = []
     if not os.path.lexists(folder):
         return []  # no claim was ever made here
-    with _opened(folder) as dir_fd:
+    with opened_folder(folder) as dir_fd:
         for name in sorted(os.listdir(dir_fd)):
             if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
                 with contextlib.suppress(OSError, GpukitError):
