@@ -201,4 +201,6 @@ def run(args: argparse.Namespace) -> int:
     with held:
         visible = ",".join(str(i) for i in held.indices)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        return launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
+        code = launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
+        held.release(exit_code=code)  # the ledger records how the command ended
+        return code
