@@ -271,7 +271,7 @@ def _finite(value: object) -> bool:
 def test_a_ticket_record_is_accepted_only_with_every_field_of_the_right_type(
     changes: dict[str, object], drop: set[str]
 ) -> None:
-    from gpukit.gpus.waiting import _record as parse
+    from gpukit.gpus.line import _record as parse
 
     raw = {k: v for k, v in {**_record(4242), **changes}.items() if k not in drop}
     parsed = parse(json.dumps(raw).encode())
@@ -289,7 +289,7 @@ def test_a_ticket_record_is_accepted_only_with_every_field_of_the_right_type(
 
 @given(st.binary(max_size=200))
 def test_any_bytes_in_a_ticket_are_read_without_an_error(data: bytes) -> None:
-    from gpukit.gpus.waiting import _record as parse
+    from gpukit.gpus.line import _record as parse
 
     parse(data)
 
@@ -297,9 +297,9 @@ def test_any_bytes_in_a_ticket_are_read_without_an_error(data: bytes) -> None:
 def test_without_a_kernel_lock_table_a_ticket_counts_while_its_lock_is_held(
     locks: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gpukit.gpus.waiting as waiting
+    import gpukit.gpus.line as line_module
 
-    monkeypatch.setattr(waiting, "exclusive_flocks", lambda: None)  # as on macOS
+    monkeypatch.setattr(line_module, "exclusive_flocks", lambda: None)  # as on macOS
     with Ticket() as honest:
         dead = honest.queue / EARLY
         dead.write_text(json.dumps(_record(os.getpid())))

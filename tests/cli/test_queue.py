@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,16 +132,23 @@ def _samples(proc: subprocess.Popen[str]) -> Iterator[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_16_waiters_on_4_gpus_are_all_listed_in_arrival_order_and_never_share_a_gpu(
-    locks: Path,
+    locks: Path, tmp_path: Path
 ) -> None:
     env = _env(locks)
+    # Each command holds its GPU until the watch has shown it holding (the test then leaves a
+    # file named for its gpukit run), so no state can pass between two samples unseen.
+    hold = (
+        "import os, pathlib, time\n"
+        f"done = pathlib.Path({str(tmp_path)!r}, f'done-{{os.getppid()}}')\n"
+        "while not done.exists(): time.sleep(0.02)\n"
+    )
     runs = []
     watch = subprocess.Popen(
         [sys.executable, "-m", "gpukit", "queue", "--json", "--watch", "0.05"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert watch.stdout is not None
-    first = watch.stdout.readline()  # the watch is running before anyone joins the line
+    samples = [json.loads(watch.stdout.readline())]  # the watch runs before anyone joins
     try:
         for _ in range(16):
             runs.append(
@@ -158,21 +166,35 @@ def test_16_waiters_on_4_gpus_are_all_listed_in_arrival_order_and_never_share_a_
                         "--settle",
                         "1",
                         "--",
-                        "sleep",
-                        "0.5",
+                        sys.executable,
+                        "-c",
+                        hold,
                     ],
                     env=env,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
             )
-        codes = [p.wait(timeout=300) for p in runs]
+        released: set[int] = set()
+        deadline = time.monotonic() + 300
+        while len(released) < 16 and time.monotonic() < deadline:
+            sample = json.loads(watch.stdout.readline())
+            samples.append(sample)
+            for holder in sample["holders"]:
+                if holder["pid"] not in released:
+                    released.add(holder["pid"])
+                    (tmp_path / f"done-{holder['pid']}").touch()
+        codes = [p.wait(timeout=60) for p in runs]
     finally:
+        for p in runs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         watch.send_signal(signal.SIGINT)
         out, _ = watch.communicate(timeout=60)
     assert codes == [0] * 16
     assert watch.returncode == 0  # Ctrl-C ends a watch as a finished one
-    samples = [json.loads(line) for line in [first, *out.splitlines()]]
+    samples += [json.loads(line) for line in out.splitlines()]
     pids = {p.pid for p in runs}
     # What each gpukit run was at each sample: "w" waiting, "h" holding, "." neither.
     states: dict[int, str] = {pid: "" for pid in pids}
