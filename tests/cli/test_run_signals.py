@@ -6,6 +6,7 @@ second copy (the bug these tests guard against) would be counted too, then write
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -119,6 +120,25 @@ def test_a_signal_to_gpukit_alone_reaches_the_command_once(tmp_path: Path, signu
     proc.send_signal(signum)  # kill PID
     assert proc.wait(timeout=30) == 5
     assert result.read_text() == signal.Signals(signum).name
+
+
+def test_a_signal_to_gpukit_reaches_the_processes_its_command_started(tmp_path: Path) -> None:
+    # `gpukit run -- bash train.sh`: the training process is the shell's child. Passed to the
+    # shell alone, a TERM ends the shell and leaves the job running on a GPU no longer claimed.
+    args, ready, result = _counter(tmp_path)
+    shell = ["sh", "-c", '"$@"; exit $?', "sh", *args[2:]]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpukit", "run", "--", *shell], env=_env(tmp_path)
+    )
+    _until(lambda: ready.exists() and ready.read_text() != "")
+    try:
+        proc.send_signal(signal.SIGTERM)  # kill PID, as a scheduler does
+        proc.wait(timeout=30)
+        _until(result.exists, timeout=10)
+        assert result.read_text() == "SIGTERM"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(ready.read_text()), signal.SIGKILL)
 
 
 # A tiny job-control shell on a pseudo-terminal: runs gpukit as a foreground job, reports

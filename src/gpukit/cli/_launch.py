@@ -2,7 +2,8 @@
 
 The command runs in a process group of its own. A signal sent to gpukit's group
 (``kill -TERM -- -PGID``, ``timeout``, a scheduler) or to gpukit alone (``kill PID``) therefore
-reaches gpukit only, and gpukit forwards it: the command gets it once. Before, the command
+reaches gpukit only, and gpukit forwards it to the command's group: the command, and every
+process it started (a shell script's job), gets it once. Before, the command
 shared gpukit's group and got such a signal twice, once directly and once forwarded, so a job
 took a second KeyboardInterrupt while saving its checkpoint.
 
@@ -179,8 +180,10 @@ def _supervise(proc: subprocess.Popen[bytes], tty: int | None, waited: set[signa
             repeat = last is not None and last[:2] == (info.si_signo, info.si_pid)
             again = repeat and last is not None and now - last[2] < _REPEAT_S
             if not again and not _hung_up(info.si_signo, tty):
+                # To the command's whole group, as a terminal would: a shell script's job is
+                # the shell's child and must stop with it, not outlive the claim.
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, info.si_signo)
+                    os.killpg(proc.pid, info.si_signo)
             last = (info.si_signo, info.si_pid, now)
         elif info is not None and info.si_signo == signal.SIGCONT and stopped:
             # Continued (fg or bg) after following the command's stop: take it along.
