@@ -127,6 +127,24 @@ def test_a_run_whose_holder_died_silently_ends_when_its_gpu_is_next_claimed(
     assert usage(since=1900.0, until=5000.0).users == ()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to write a file as another user")
+def test_a_co_users_record_cannot_lengthen_a_run_whose_holder_died_silently(locks: Path) -> None:
+    _write(_own_file(locks), _start("killed", 1000.0, [UUID_A], pid=999_999_999))
+    # A co-user appends a start on the same GPU to their own file, as late as they like: the
+    # killed run would count until then (in this user's name), however short it really was.
+    theirs = locks / "ledger-65534.jsonl"
+    forged = {"schema": ledger.SCHEMA, "uid": 65534, "claim": "forged", "pid": 1}
+    theirs.write_text(json.dumps({**forged, "event": "start", "time": 90000.0, "gpus": [UUID_A]}))
+    os.chown(theirs, 65534, 65534)
+    runs = {r.claim: r for r in held_runs()}
+    assert runs["killed"].end is None
+    mine = [u for u in usage(until=99000.0).users if u.uid == os.getuid()]
+    assert [(u.gpu_seconds, u.unknown_end) for u in mine] == [(0.0, 1)]
+    # Once its own user claims the GPU again, anyone's earlier claim of it ends the run.
+    _write(_own_file(locks), _start("again", 95000.0, [UUID_A]), _end("again", 95001.0))
+    assert {r.claim: r for r in held_runs()}["killed"].end == 90000.0
+
+
 def test_a_claim_never_released_ends_with_its_process(locks: Path) -> None:
     code = f"from gpukit.gpus.claims import claim\nclaim([{UUID_A!r}], command='held to the end')\n"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

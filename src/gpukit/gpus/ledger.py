@@ -281,8 +281,9 @@ def read_runs(folder: Path, live: Iterable[tuple[int | None, float | None]] = ()
     matches one is ``held``.
 
     A claim whose holder died without recording its end (killed with SIGKILL) ends at the
-    start of the next claim of one of its GPUs, the latest moment it can have ended; with no
-    such claim its end stays ``None``.
+    start of the next claim of one of its GPUs, the latest moment it can have ended, once its
+    own user has claimed one of them again (another user's records could say anything); until
+    then its end stays ``None``.
     """
     runs: list[Run] = []
     if not os.path.lexists(folder):
@@ -302,5 +303,9 @@ def _settle(run: Run, runs: Sequence[Run], live: set[tuple[int | None, float | N
         return run
     if (run.pid, run.start) in live:
         return replace(run, held=True)
-    later = [r.start for r in runs if r.start > run.start and set(r.gpus) & set(run.gpus)]
-    return replace(run, end=min(later)) if later else run
+    later = [r for r in runs if r.start > run.start and set(r.gpus) & set(run.gpus)]
+    # Any user can append a start of any GPU to their own file, at any time they like: another
+    # user's records may only shorten this user's run, so one of its own must bound it first.
+    if not any(r.uid == run.uid for r in later):
+        return run
+    return replace(run, end=min(r.start for r in later))
