@@ -141,6 +141,27 @@ def test_a_signal_to_gpukit_reaches_the_processes_its_command_started(tmp_path: 
             os.killpg(int(ready.read_text()), signal.SIGKILL)
 
 
+def test_when_gpukit_is_killed_the_processes_its_command_started_are_told_to_stop(
+    tmp_path: Path,
+) -> None:
+    # kill -9 of gpukit frees its GPUs at once: a job left running under a shell would use a
+    # GPU that the next claimer is given.
+    args, ready, result = _counter(tmp_path)
+    shell = ["sh", "-c", '"$@"; exit $?', "sh", *args[2:]]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpukit", "run", "--", *shell], env=_env(tmp_path)
+    )
+    _until(lambda: ready.exists() and ready.read_text() != "")
+    try:
+        proc.kill()
+        proc.wait(timeout=30)
+        _until(result.exists, timeout=10)
+        assert result.read_text() == "SIGTERM"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(ready.read_text()), signal.SIGKILL)
+
+
 # A tiny job-control shell on a pseudo-terminal: runs gpukit as a foreground job, reports
 # "stopped" when the job stops, and puts it back in the foreground on SIGUSR1 (as `fg`).
 # argv: log-file, gpukit arguments...

@@ -12,7 +12,8 @@ and a hang-up reach the command (and its children) straight from the terminal, o
 can read the terminal. When Ctrl-Z stops it, gpukit takes the terminal back and stops too, so
 the shell sees the job stopped; ``fg`` continues gpukit, which hands the terminal back and
 continues the command. When gpukit dies, even by SIGKILL, the command is told to stop
-(SIGTERM, Linux's parent-death signal) and the shell takes its terminal back.
+(SIGTERM, Linux's parent-death signal), and so is every process of its group (by a watchdog
+process), and the shell takes its terminal back.
 
 Never imports torch.
 """
@@ -157,9 +158,11 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> int:
     try:
         handed = tty if _foreground(tty) else None
         proc = _start(argv, env, handed, own_group=True)
+        watch = _watchdog(proc.pid)
         try:
             return _supervise(proc, tty, waited)
         finally:
+            _stand_down(watch)
             if handed is not None:  # the command's group ended: the terminal is gpukit's again
                 with contextlib.suppress(OSError):
                     if os.tcgetpgrp(handed) == proc.pid:
@@ -168,6 +171,59 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> int:
         if tty is not None:
             os.close(tty)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _watchdog(pgid: int) -> tuple[int, int] | None:
+    """Start a process that sends SIGTERM to the group ``pgid`` if gpukit dies first.
+
+    The parent-death signal reaches the command alone; the processes it started (a shell
+    script's job) would outlive a gpukit killed with SIGKILL, on GPUs no longer claimed. The
+    watchdog, in a session of its own (no terminal's or group's signal reaches it), waits for
+    the end of a pipe that only gpukit holds. Returns (its pid, the pipe's end), or ``None``.
+    """
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:
+        return None
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None
+    if pid == 0:  # the watchdog: nothing here may raise past os._exit
+        try:
+            # Nothing of gpukit's but the pipe: a lock file's descriptor kept here would hold
+            # its claim until the watchdog ends.
+            os.closerange(0, read_end)
+            os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+            os.setsid()
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            while True:
+                try:
+                    told = os.read(read_end, 1)
+                    break
+                except InterruptedError:
+                    continue
+            if not told:  # gpukit died without standing the watchdog down
+                with contextlib.suppress(OSError):
+                    os.killpg(pgid, signal.SIGTERM)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    return pid, write_end
+
+
+def _stand_down(watch: tuple[int, int] | None) -> None:
+    """Tell the watchdog that gpukit saw its command end, and reap it."""
+    if watch is None:
+        return
+    pid, write_end = watch
+    with contextlib.suppress(OSError):
+        os.write(write_end, b"x")
+    os.close(write_end)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 def _supervise(proc: subprocess.Popen[bytes], tty: int | None, waited: set[signal.Signals]) -> int:
