@@ -118,6 +118,18 @@ def test_read_line_reports_each_waiter_as_its_ticket_records_it(locks: Path) -> 
     assert read_line().waiters == ()  # closed: out of the line
 
 
+def test_control_characters_in_a_ticket_reach_no_terminal(locks: Path) -> None:
+    # A co-user's ticket is shown by `gpukit queue`: escape sequences in it could clear the
+    # screen, retitle the terminal or recolour what follows.
+    hostile = "\x1b[2J\x1b]0;pwned\x07 at most 10% busy\r"
+    with Ticket(criteria=hostile, command="train\x1b[31m.py"):
+        (waiter,) = read_line().waiters
+    assert (waiter.criteria, waiter.command) == (
+        "?[2J?]0;pwned? at most 10% busy?",
+        "train?[31m.py",
+    )
+
+
 def test_a_later_honest_waiter_stays_behind_an_earlier_one(locks: Path) -> None:
     with Ticket() as first, Ticket() as second:
         assert (first.ahead(), second.ahead()) == (0, 1)

@@ -225,6 +225,11 @@ def _record(data: bytes) -> dict[str, Any] | None:
     return raw
 
 
+def _printable(text: str) -> str:
+    """``text`` with each control character as ``?``: a co-user's ticket reaches terminals."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _waiter(
     dir_fd: int, queue: Path, name: str, inode: int, table: dict[int, frozenset[int]] | None
 ) -> Waiter | str:
@@ -264,8 +269,8 @@ def _waiter(
         user=record["user"],
         uid=record["uid"],
         n=record["n"],
-        criteria=record["criteria"],
-        command=record["command"],
+        criteria=_printable(record["criteria"]),
+        command=_printable(record["command"]),
         since=float(record["since"]),
         ticket=name,
         arrived_ns=info.st_ctime_ns,
