@@ -183,7 +183,8 @@ def _line(*waiters: tuple[int, int, str]) -> object:
                 position=i, pid=1000 + i, user=f"u{uid}", uid=uid, n=n, criteria=c, since=i * 1.0
             )
             for i, (uid, n, c) in enumerate(waiters, start=1)
-        )
+        ),
+        foreign=(),
     )
 
 
@@ -250,3 +251,24 @@ def test_looking_at_a_machine_with_no_lock_folder_yet_does_not_create_one(locks:
     state = sharing(inventory())
     assert (state.holders, state.waiters, state.idle) == ((), (), ())
     assert not locks.exists()
+
+
+def test_what_is_in_the_queue_folder_but_is_no_waiter_is_listed_as_foreign_with_why(
+    locks: Path,
+) -> None:
+    queue = locks / "queue"
+    queue.mkdir(parents=True)
+    os.mkfifo(queue / "00000000000000000001-1-aaaaaaaa.ticket")
+    (queue / "00000000000000000002-1-bbbbbbbb.ticket").symlink_to(locks / "elsewhere")
+    (queue / "00000000000000000003-1-cccccccc.ticket").write_text("{}")
+    state = sharing(inventory())
+    assert state.waiters == ()
+    assert [(f.name[:20], f.why) for f in state.foreign] == [
+        ("00000000000000000001", "a FIFO"),
+        ("00000000000000000002", "a symbolic link"),
+        ("00000000000000000003", "not held by a live waiter"),
+    ]
+    assert state.to_json()["foreign"][0] == {
+        "name": "00000000000000000001-1-aaaaaaaa.ticket",
+        "why": "a FIFO",
+    }

@@ -132,6 +132,17 @@ def _render(state: Sharing) -> RenderableType:
         ],
         f"no claim idle for more than {_duration(state.idle_after_s)}",
     )
+    if state.foreign:  # rare, and worth a look: planted links, FIFOs, forged tickets
+        table(
+            "not waiters (in the queue folder)",
+            ["name", "why"],
+            # Names any user chose: no control character reaches the terminal.
+            [
+                ["".join(c if c.isprintable() else "?" for c in f.name), f.why]
+                for f in state.foreign
+            ],
+            "",
+        )
     return Group(*parts)
 
 
