@@ -98,7 +98,9 @@ def test_since_takes_a_date_as_local_midnight_and_all_as_no_limit() -> None:
     assert parse_since("all", NOW) is None
 
 
-@pytest.mark.parametrize("text", ["yesterday", "7", "-3d", "2027-13-01", "2099-01-01"])
+@pytest.mark.parametrize(
+    "text", ["yesterday", "7", "-3d", "2027-13-01", "2099-01-01", "0001-01-01", "9999999999d"]
+)
 def test_since_refuses_what_is_not_a_past_moment(text: str) -> None:
     with pytest.raises(InvalidArgumentError, match="--since"):
         parse_since(text, NOW)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import re
 import time
 
@@ -40,16 +41,27 @@ def parse_since(text: str, now: float) -> float | None:
     if value == "all":
         return None
     span = _SPAN.fullmatch(value)
-    if span:
-        return now - float(span.group(1)) * _UNITS[span.group(2)]
     try:
-        when = dt.datetime.fromisoformat(value)
+        if span:
+            stamp = now - float(span.group(1)) * _UNITS[span.group(2)]
+        else:
+            when = dt.datetime.fromisoformat(value)
+            try:
+                stamp = when.timestamp()  # a time without a zone is local time
+            except (ValueError, OverflowError, OSError):  # year 1: before the clock's start
+                stamp = -math.inf
     except ValueError:
+        stamp = math.nan
+    if math.isnan(stamp):
         raise InvalidArgumentError(
             f"--since {text!r} is neither a span nor a date.",
             hint="Use e.g. --since 7d, --since 24h, --since 2026-11-01 or --since all.",
-        ) from None
-    stamp = when.timestamp()  # a time without a zone is local time
+        )
+    if stamp < 0:
+        raise InvalidArgumentError(
+            f"--since {text!r} reaches back before 1970, before any claim.",
+            hint="Use --since all for every claim in the ledger.",
+        )
     if stamp > now:
         raise InvalidArgumentError(
             f"--since {text!r} is in the future.", hint="Use a date in the past, e.g. 7d."
