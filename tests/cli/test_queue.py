@@ -100,9 +100,17 @@ def test_queue_table_names_holder_and_says_nobody_waits(run_cli: CliRunner, lock
 
 
 @pytest.mark.parametrize(
-    "option", [["--idle-after", "0"], ["--idle-after", "nan"], ["--watch", "-1"]]
+    "option",
+    [
+        ["--idle-after", "0"],
+        ["--idle-after", "nan"],
+        ["--idle-after", "1e400"],
+        ["--watch", "-1"],
+        ["--watch", "inf"],
+        ["--watch", "1e12"],
+    ],
 )
-def test_queue_refuses_a_threshold_or_interval_that_is_not_positive_with_exit_2(
+def test_queue_refuses_a_threshold_or_interval_that_is_not_a_sensible_number_with_exit_2(
     run_cli: CliRunner, locks: Path, option: list[str]
 ) -> None:
     result = run_cli(

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
 
+# Past these, a number is a typo; and the clock cannot sleep for 1e12 s (OverflowError).
+_MOST_WATCH_S = 86400
+_MOST_IDLE_MIN = 525600
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the arguments of ``gpukit queue``."""
     parser.add_argument("--json", action="store_true", help="print JSON (schema gpukit.queue/1)")
@@ -185,15 +190,15 @@ def _watch(args: argparse.Namespace, idle_after: float) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Print the sharing state once, or keep a live view with ``--watch``."""
-    if not args.idle_after > 0:  # also refuses nan
+    if not 0 < args.idle_after <= _MOST_IDLE_MIN:  # also refuses nan
         raise InvalidArgumentError(
             f"--idle-after {args.idle_after:g} is not a number of minutes.",
-            hint="Use a positive number, e.g. --idle-after 30.",
+            hint=f"Use a positive number up to {_MOST_IDLE_MIN} (a year), e.g. --idle-after 30.",
         )
-    if args.watch is not None and not args.watch > 0:
+    if args.watch is not None and not 0 < args.watch <= _MOST_WATCH_S:
         raise InvalidArgumentError(
             f"--watch {args.watch:g} is not a number of seconds.",
-            hint="Use a positive number, e.g. --watch 2.",
+            hint=f"Use a positive number up to {_MOST_WATCH_S} (a day), e.g. --watch 2.",
         )
     say_if_fake("queue")
     idle_after = args.idle_after * 60
