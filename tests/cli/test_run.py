@@ -391,7 +391,7 @@ def test_an_exclusion_the_machine_does_not_have_is_a_usage_error(
     assert current_claims(locks) == {}
 
 
-@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-2"])
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-2", "1e12"])
 @pytest.mark.parametrize("wait", [(), ("--wait",), ("--poll", "1")], ids=["now", "wait", "poll"])
 def test_run_refuses_a_poll_interval_variable_that_is_not_seconds_in_one_line(
     run_cli: CliRunner, locks: Path, value: str, wait: tuple[str, ...]
@@ -402,6 +402,16 @@ def test_run_refuses_a_poll_interval_variable_that_is_not_seconds_in_one_line(
     lines = [line for line in done.stderr.splitlines() if "fake machine" not in line]
     assert len(lines) == 1, done.stderr
     assert "GPUKIT_POLL_INTERVAL" in lines[0]
+
+
+def test_run_refuses_a_poll_interval_longer_than_a_day_in_one_line(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    # time.sleep(1e12) raises OverflowError: the wait would end in a traceback.
+    done = run_cli("run", "--wait", "--poll", "1e12", "--", "true", env=dict(_env(locks)))
+    assert done.returncode == 2, done.stderr
+    assert "--poll" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

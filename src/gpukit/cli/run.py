@@ -29,7 +29,7 @@ from gpukit.cli._criteria import add_criteria, criteria_from, excluded
 from gpukit.cli._launch import launch
 from gpukit.cli._output import print_error, say_if_fake
 from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.gpus.acquire import POLL_VAR, acquire, poll_interval
+from gpukit.gpus.acquire import MOST_POLL_S, POLL_VAR, acquire, poll_interval
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import load_policy
 
@@ -154,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
     criteria_from(args)  # the options' own mistakes, before anything is read
     configured = poll_interval()  # a bad $GPUKIT_POLL_INTERVAL is refused by every run
     poll = configured if args.poll is None else args.poll
-    if args.settle < 1 or not poll > 0 or poll == float("inf"):
+    if args.settle < 1 or not 0 < poll <= MOST_POLL_S:
         raise InvalidArgumentError(
-            f"--settle {args.settle} --poll {poll}: both must be positive numbers.",
+            f"--settle {args.settle} --poll {poll:g}: both must be positive numbers, --poll at "
+            f"most {MOST_POLL_S:g} seconds.",
             hint="Use e.g. --settle 3 --poll 2.",
         )
     if args.timeout is not None and not args.timeout >= 0:  # also refuses nan

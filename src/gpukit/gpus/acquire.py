@@ -30,14 +30,25 @@ __all__ = ["POLL_VAR", "acquire", "poll_interval"]
 POLL_VAR = "GPUKIT_POLL_INTERVAL"
 """Seconds between two readings of the GPUs while waiting, when ``poll`` is not given."""
 _DEFAULT_POLL = 2.0
+MOST_POLL_S = 86400.0
+"""The longest interval between polls: more is a typo, and time.sleep(1e12) overflows."""
 # Another process may claim a GPU between reading the claims and locking it: read again.
 _CLAIM_TRIES = 3
 
 
-def _seconds(value: object, what: str, *, zero: bool, example: str, forever: bool = False) -> float:
+def _seconds(
+    value: object,
+    what: str,
+    *,
+    zero: bool,
+    example: str,
+    forever: bool = False,
+    most: float = math.inf,
+) -> float:
     """``value`` as a number of seconds, or InvalidArgumentError saying what it is.
 
-    NaN and negative numbers are refused; infinity only where it means ``forever``.
+    NaN, negative numbers and numbers above ``most`` are refused; infinity only where it means
+    ``forever``.
     """
     number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -53,10 +64,13 @@ def _seconds(value: object, what: str, *, zero: bool, example: str, forever: boo
         or not (math.isfinite(number) or endless)
         or number < 0
         or (number == 0 and not zero)
+        or (number > most and not endless)
     ):
         least = "0 or more" if zero else "more than 0"
+        upto = f" up to {most:g}" if most < math.inf else ""
         raise InvalidArgumentError(
-            f"{what}={value!r} is not a number of seconds.", hint=f"Use {least}, e.g. {example}."
+            f"{what}={value!r} is not a number of seconds.",
+            hint=f"Use {least}{upto}, e.g. {example}.",
         )
     return number
 
@@ -64,15 +78,15 @@ def _seconds(value: object, what: str, *, zero: bool, example: str, forever: boo
 def poll_interval(poll: float | None = None) -> float:
     """Seconds between polls: ``poll``, else ``$GPUKIT_POLL_INTERVAL``, else 2.
 
-    Raises InvalidArgumentError for anything but a finite number above 0, the environment
-    variable included, whether or not anything will wait.
+    Raises InvalidArgumentError for anything but a number above 0 and up to a day, the
+    environment variable included, whether or not anything will wait.
     """
     if poll is not None:
-        return _seconds(poll, "poll", zero=False, example="poll=2")
+        return _seconds(poll, "poll", zero=False, example="poll=2", most=MOST_POLL_S)
     configured = os.environ.get(POLL_VAR)
     if configured is None:
         return _DEFAULT_POLL
-    return _seconds(configured, POLL_VAR, zero=False, example=f"{POLL_VAR}=2")
+    return _seconds(configured, POLL_VAR, zero=False, example=f"{POLL_VAR}=2", most=MOST_POLL_S)
 
 
 def acquire(
