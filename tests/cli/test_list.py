@@ -262,3 +262,14 @@ def test_watch_into_a_pipe_whose_reader_leaves_exits_0(machines_dir: Path, tmp_p
     proc.stdout.close()
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize("interval", ["nan", "inf", "1e12", "-1"])
+def test_watch_refuses_an_interval_that_is_no_sensible_number_of_seconds_with_exit_2(
+    run_cli: CliRunner, machines_dir: Path, interval: str
+) -> None:
+    env: dict[str, str | None] = {"GPUKIT_FAKE_NVML": str(machines_dir / "kaggle-2xT4-idle.json")}
+    done = run_cli("list", "--watch", interval, env=env, timeout=20)
+    assert done.returncode == 2, done.stderr
+    assert "--watch" in done.stderr
+    assert "Traceback" not in done.stderr

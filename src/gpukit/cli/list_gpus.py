@@ -82,11 +82,21 @@ def _read() -> tuple[Inventory, VisibleDevices, LockFolderState]:
     return inv, visible_devices(inv), read_lock_folder()
 
 
+_MOST_WATCH_S = 86400
+
+
 def _watch(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from gpukit.cli._output import console
 
+    if not 0 < args.watch <= _MOST_WATCH_S:  # also refuses nan; sleep(1e12) would overflow
+        from gpukit.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"--watch {args.watch:g} is not a number of seconds.",
+            hint=f"Use a positive number up to {_MOST_WATCH_S} (a day), e.g. --watch 2.",
+        )
     out = console()
     interval = max(float(args.watch), 0.05)
     try:
