@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from gpukit.errors import LockFolderError, UnsafeLockFileError
 from gpukit.gpus.claims import Holder, _read_holder, claim, current_claims
+from gpukit.gpus.lockfiles import owner_name
 from tests.conftest import CliRunner
 
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -165,16 +166,24 @@ HOSTILE_RECORDS = [
 
 
 @pytest.mark.parametrize("record", HOSTILE_RECORDS, ids=range(len(HOSTILE_RECORDS)))
-def test_a_hostile_holder_record_reads_as_an_unknown_holder(locks: Path, record: bytes) -> None:
+def test_a_hostile_holder_record_reads_as_the_process_that_holds_the_lock(
+    locks: Path, record: bytes
+) -> None:
     fd = _hold(locks / f"{UUID_A}.lock", record)
     try:
         holder = current_claims()[UUID_A]
     finally:
         os.close(fd)
-    assert (holder.pid, holder.since, holder.host) == (None, None, None)
-    assert holder.user is None or holder.user.isprintable()
-    assert holder.command is None or holder.command.isprintable()
-    assert holder.describe().startswith(("?", "eve"))
+    # Nothing of the record is kept: the kernel says which process holds the lock, and whose.
+    assert (holder.user, holder.pid, holder.host, holder.since) == (
+        owner_name(os.geteuid()),
+        os.getpid(),
+        None,
+        None,
+    )
+    assert holder.command is not None
+    assert "pytest" in holder.command
+    assert holder.describe().isprintable()
     json.dumps(holder.to_json(), allow_nan=False)
 
 
@@ -220,9 +229,9 @@ def test_gpukit_list_shows_a_hostile_record_without_breaking(
         os.close(fd)
     assert table.returncode == 0, table.stderr
     assert "\x1b" not in table.stdout
-    assert "eve?[2J" in table.stdout
+    assert f"{owner_name(os.geteuid())} (pid {os.getpid()}:" in table.stdout
     assert listed.returncode == 0, listed.stderr
-    assert json.loads(listed.stdout)["claims"][uuid]["pid"] is None
+    assert json.loads(listed.stdout)["claims"][uuid]["pid"] == os.getpid()
 
 
 @pytest.fixture
@@ -296,3 +305,41 @@ def test_gpukit_run_in_a_lock_folder_you_cannot_write_exits_5(
     assert os.waitstatus_to_exitcode(status) == 5, err
     assert "permission denied" in err
     assert "Traceback" not in err
+
+
+@as_root
+@pytest.mark.parametrize("named_pid", ["another", "its own"])
+def test_a_holder_record_cannot_name_someone_else_as_the_holder(
+    public_tmp: Path, named_pid: str
+) -> None:
+    # A co-user who holds a lock writes what they like in it: gpukit list, pick and run must
+    # not blame root (or a colleague) for a GPU the co-user holds.
+    folder = public_tmp / "locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            fd = os.open(folder / f"{UUID_A}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            named = 1 if named_pid == "another" else os.getpid()
+            record = {"user": "root", "pid": named, "command": "python train.py", "since": 5.0}
+            os.write(fd, json.dumps(record).encode())
+            os.write(ready_w, b"x")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        holder = current_claims(folder)[UUID_A]
+    finally:
+        os.write(done_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, done_r, done_w):
+            os.close(fd)
+    assert (holder.user, holder.pid) == ("nobody", pid)
+    assert holder.describe().startswith(f"nobody (pid {pid}")

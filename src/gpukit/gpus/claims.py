@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import getpass
 import json
 import math
@@ -32,7 +33,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,8 +45,9 @@ from gpukit.errors import (
     UnsafeLockFileError,
 )
 from gpukit.gpus import ledger
+from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockdir import LOCK_DIR_VAR, lock_dir
-from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder
+from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder, owner_name
 
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import GPU
@@ -155,7 +157,37 @@ def _try_lock(fd: int, kind: int) -> bool:
     return True
 
 
-def _holder_in(folder: Path, name: str, dir_fd: int) -> Holder | None:
+def _as_the_kernel_says(
+    holder: Holder, inode: int, table: dict[int, frozenset[int]] | None
+) -> Holder:
+    """``holder`` as its record says, corrected by the kernel's table of locks.
+
+    Whoever holds a lock writes its record, so a record could name root or a colleague: the
+    pid the kernel says holds the lock, and the user who runs it, win. Without a table (not
+    Linux) or with a holder outside this pid namespace (pid 0), the record is all there is.
+    """
+    pids = (table or {}).get(inode, frozenset()) - {0}
+    if not pids:
+        return holder
+    if holder.pid in pids:
+        uid = process_uid(holder.pid)  # None where /proc hides other users' processes
+        return holder if uid is None else replace(holder, user=owner_name(uid))
+    pid = min(pids)
+    uid = process_uid(pid)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = _text(f.read().replace(b"\0", b" ").decode(errors="replace").strip(), 500)
+    except OSError:
+        command = None
+    return Holder(owner_name(uid) if uid is not None else None, pid, None, command, None)
+
+
+def _holder_in(
+    folder: Path,
+    name: str,
+    dir_fd: int,
+    locks: Callable[[], dict[int, frozenset[int]] | None] = exclusive_flocks,
+) -> Holder | None:
     try:
         fd = open_lock_file(folder, name, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -171,7 +203,7 @@ def _holder_in(folder: Path, name: str, dir_fd: int) -> Holder | None:
         # A shared lock is granted only when no claim (exclusive lock) is held.
         if _try_lock(fd, fcntl.LOCK_SH):
             return None  # its holder died: the kernel dropped the lock, the record stayed
-        return _read_holder(data)
+        return _as_the_kernel_says(_read_holder(data), os.fstat(fd).st_ino, locks())
     except OSError:
         return _NOBODY  # cannot tell: count it as taken rather than hand the GPU out twice
     finally:
@@ -210,9 +242,10 @@ def current_claims(folder: Path | None = None) -> dict[str, Holder]:
                 hint=f"Set {LOCK_DIR_VAR} to a folder every user of the GPUs can read.",
             ) from exc
         claims = {}
+        table = functools.cache(exclusive_flocks)  # read once, and only if a lock is held
         for name in names:
             if name.endswith(".lock") and not name.startswith("."):
-                holder = _holder_in(folder, name, dir_fd)
+                holder = _holder_in(folder, name, dir_fd, table)
                 if holder is not None:
                     claims[name.removesuffix(".lock")] = holder
     return claims
