@@ -198,3 +198,17 @@ def test_waiting_reports_its_status() -> None:
 def test_a_timeout_while_gpus_qualify_says_they_had_not_settled_yet() -> None:
     with pytest.raises(WaitTimeoutError, match=r"Only 0 qualified for 3 polls in a row"):
         wait_and_claim(1, Criteria.make(), timeout=0, settle=3, poll=0.01)
+
+
+def test_why_a_timed_out_wait_missed_qualifying_gpus_is_a_line_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lost = L4.parent / "kaggle-2xT4-one-lost.json"
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(lost))
+    with pytest.raises(WaitTimeoutError) as caught:
+        wait_and_claim(1, Criteria.make(), timeout=0, settle=3, poll=0.01)
+    lines = caught.value.message.splitlines()
+    assert lines[-2:] == [
+        "  GPU 1: unreadable by NVML (GPU is lost)",
+        "Only 0 qualified for 3 polls in a row (--settle).",
+    ]

@@ -213,14 +213,16 @@ def wait_and_claim(
             )
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
+                # A line of its own: the message above may end with a list of GPUs.
                 late = ""
                 if limited:
-                    late = f" {policy.explain(uid, n, held)}"
+                    late = f"\n{policy.explain(uid, n, held)}"
                 elif qualify >= n:  # they qualify now: say what kept this waiter from them
                     late = (
-                        f" {ahead} earlier waiter{'s' if ahead != 1 else ''} still in line."
+                        f"\n{ahead} earlier waiter{'s' if ahead != 1 else ''} still in line."
                         if ahead
-                        else f" Only {len(ready)} qualified for {settle} polls in a row (--settle)."
+                        else f"\nOnly {len(ready)} qualified for {settle} polls in a row "
+                        "(--settle)."
                     )
                 raise _timeout(n, criteria, timeout, inv, verdicts, late)
             left = None if timeout is None else timeout - waited
