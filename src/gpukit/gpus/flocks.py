@@ -32,8 +32,10 @@ def exclusive_flocks() -> dict[int, frozenset[int]] | None:
     ``/proc`` not mounted).
     """
     try:
-        with open(_PROC_LOCKS, encoding="ascii", errors="replace") as f:
-            text = f.read()
+        # Read as bytes: decoding ascii then needs no codec module, which a process that has
+        # switched user may no longer be able to import.
+        with open(_PROC_LOCKS, "rb") as f:
+            text = f.read().decode("ascii", "replace")
     except OSError:
         return None
     held: dict[int, set[int]] = {}
@@ -54,9 +56,9 @@ def exclusive_flocks() -> dict[int, frozenset[int]] | None:
 def process_uid(pid: int) -> int | None:
     """The real uid that runs process ``pid``, or ``None`` when it is gone or unreadable."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+        with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith("Uid:"):
+                if line.startswith(b"Uid:"):
                     return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         return None
