@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from gpukit.errors import LockFolderError
+
+# Imported here, as root: the user the tests switch to may not read this Python's own modules.
+from gpukit.gpus.claims import claim, current_claims
 from gpukit.gpus.lock_setup import setup_lock_dir
 from gpukit.gpus.lockdir import lock_dir, read_config
 from tests.conftest import CliRunner
@@ -117,8 +120,6 @@ def test_a_user_claims_gpus_in_the_root_folder(root: Path) -> None:
         try:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            from gpukit.gpus.claims import claim, current_claims
-
             with claim(UUIDS, command="train"):
                 code = 0 if current_claims()[UUIDS[1]].command == "train" else 2
         finally:
