@@ -17,6 +17,7 @@ import pytest
 
 from gpukit.cli.run import _Status, ddp_command
 from gpukit.gpus.claims import claim, current_claims
+from gpukit.gpus.ledger import ledger_name
 from tests.conftest import ROOT, CliRunner
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
@@ -412,6 +413,20 @@ def test_run_refuses_a_poll_interval_longer_than_a_day_in_one_line(
     assert done.returncode == 2, done.stderr
     assert "--poll" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_run_says_in_one_plain_line_that_a_claim_is_not_in_the_ledger(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    locks.mkdir(mode=0o1777)
+    for n in range(8):  # every name this user's ledger may take, squatted (here by folders)
+        (locks / ledger_name(os.geteuid(), n)).mkdir()
+    done = run_cli("run", "-n", "1", "--", "true", env=dict(_env(locks)))
+    assert done.returncode == 0, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if "ledger" in line]
+    assert line.startswith("gpukit run: warning: Cannot write the gpukit ledger")
+    assert line.endswith("The claim is not in the ledger.")
+    assert "RuntimeWarning" not in done.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

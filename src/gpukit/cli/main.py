@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from gpukit.errors import ExitCode, GpukitError
@@ -80,6 +81,15 @@ def _selected(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _warning_line(command: str) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints ``gpukit COMMAND: warning: MESSAGE``, no source."""
+
+    def show(message: Warning | str, *_args: object, **_kwargs: object) -> None:
+        print(f"gpukit {command}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpukit`` with ``argv`` (default: the process arguments) and return the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -93,7 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return ExitCode.USAGE
     try:
-        return int(_command_module(args.command).run(args))
+        with warnings.catch_warnings():  # the library's warnings, as one line of this command's
+            warnings.showwarning = _warning_line(args.command)
+            return int(_command_module(args.command).run(args))
     except GpukitError as exc:
         print(f"gpukit {args.command}: {exc}", file=sys.stderr)
         return int(exc.exit_code)
