@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -427,6 +428,32 @@ def test_run_says_in_one_plain_line_that_a_claim_is_not_in_the_ledger(
     assert line.startswith("gpukit run: warning: Cannot write the gpukit ledger")
     assert line.endswith("The claim is not in the ledger.")
     assert "RuntimeWarning" not in done.stderr
+
+
+def _no_room_to_write() -> None:
+    # As on a full disk: files can be made, nothing can be written into them.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+
+@pytest.mark.parametrize("wait", [(), ("--wait", "--timeout", "5")], ids=["now", "wait"])
+def test_run_in_a_lock_folder_it_cannot_write_into_exits_5_in_one_line(
+    locks: Path, wait: tuple[str, ...]
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpukit", "run", *wait, "--", "true"],
+        env=_env(locks),
+        preexec_fn=_no_room_to_write,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 5, done.stderr
+    assert "Traceback" not in done.stderr
+    assert current_claims(locks) == {}
+    queue = locks / "queue"
+    assert not queue.exists() or list(queue.iterdir()) == []  # no ticket left behind
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

@@ -20,6 +20,7 @@ from types import TracebackType
 
 from gpukit.errors import (
     ClaimError,
+    LockFolderError,
     NoGpuAvailableError,
     UserLimitError,
     WaitTimeoutError,
@@ -88,10 +89,17 @@ class Ticket:
                 exclusive=True,
                 mode=0o600,
             )
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(self._fd, json.dumps(record).encode())
-            os.fchmod(self._fd, _TICKET_MODE)
-            os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.write(self._fd, json.dumps(record).encode())
+                os.fchmod(self._fd, _TICKET_MODE)
+                os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+            except OSError as exc:  # a full disk, a quota
+                raise LockFolderError(
+                    f"Cannot write a ticket in {self.queue}: {exc.strerror or exc}.",
+                    hint="Free space on its disk, or set GPUKIT_LOCK_DIR to a folder on a local "
+                    "disk every user of the GPUs can write.",
+                ) from exc
         except BaseException:
             if self._fd is not None:
                 with contextlib.suppress(OSError):
