@@ -35,6 +35,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one document a line",
     )
+    remote = parser.add_argument_group("other machines (over ssh, nothing to install there)")
+    remote.add_argument(
+        "--hosts",
+        metavar="A,B,C",
+        help="list the GPUs of these hosts instead: gpukit list --json there, else nvidia-smi",
+    )
+    remote.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up on a host after SECONDS (default 10)",
+    )
+    remote.add_argument(
+        "--ssh-command",
+        metavar="CMD",
+        help="how to reach a host (default: $GPUKIT_SSH, else ssh -o BatchMode=yes "
+        "-o ConnectTimeout=TIMEOUT); the host and the command are appended",
+    )
 
 
 def _claims() -> dict[str, Holder]:
@@ -109,8 +128,34 @@ def _watch(args: argparse.Namespace) -> int:
         return 0
 
 
+def _hosts(args: argparse.Namespace) -> int:
+    """``--hosts``: every host's GPUs in one table (or gpukit.hosts/1 JSON)."""
+    from gpukit.errors import ExitCode, InvalidArgumentError
+    from gpukit.gpus.hosts import hosts_json, parse_hosts, read_hosts
+
+    if args.watch is not None:
+        raise InvalidArgumentError(
+            "--watch does not combine with --hosts.",
+            hint="Run gpukit list --watch on each host, or gpukit serve there.",
+        )
+    readings = read_hosts(
+        parse_hosts(args.hosts), timeout=args.timeout, ssh_command_text=args.ssh_command
+    )
+    if args.json:
+        print_json(hosts_json(readings))
+    else:
+        from gpukit.cli._gpu_table import build_hosts_table
+        from gpukit.cli._output import console
+
+        _print(console(), build_hosts_table(readings))
+    # Some machines answering is a useful answer; none at all is "no GPU could be read".
+    return ExitCode.OK if any(r.inventory is not None for r in readings) else ExitCode.NO_DRIVER
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the GPUs once, or keep a live view with ``--watch``."""
+    if args.hosts is not None:
+        return _hosts(args)
     fake = os.environ.get("GPUKIT_FAKE_NVML")
     if fake:
         print(
