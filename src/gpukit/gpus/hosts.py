@@ -152,9 +152,15 @@ def parse_nvidia_smi_csv(text: str) -> Inventory:
     Memory comes in MiB and is given in bytes, as everywhere in gpukit. Raises
     InvalidArgumentError for text that is not such a table.
     """
+    try:
+        rows = list(csv.reader(io.StringIO(text), skipinitialspace=True))
+    except csv.Error as exc:
+        raise InvalidArgumentError(
+            f"The answer is not CSV ({exc}).", hint="Check that nvidia-smi works on that host."
+        ) from exc
     gpus = []
     driver = None
-    for row in csv.reader(io.StringIO(text), skipinitialspace=True):
+    for row in rows:
         if not row:
             continue
         if len(row) != len(NVIDIA_SMI_FIELDS):
