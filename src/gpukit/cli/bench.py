@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "startup": "gpukit.bench.startup",
     "batch_size": "gpukit.bench.batch_size",
     "h2d": "gpukit.bench.h2d",
+    "serve": "gpukit.bench.serve",
 }
 
 
