@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -61,8 +60,9 @@ class FakeHosts:
 
 
 def alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, not yet reaped by its new parent) is not alive."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -153,3 +153,29 @@ def test_history_charts_bucket_means_over_the_last_hour() -> None:
     chart = history.chart(now=1130, points=4)  # buckets of 15 s from 1070
     assert chart["gpus"]["GPU-a"]["util"] == [pytest.approx(0.3), None, None, None]
     assert chart["gpus"]["GPU-a"]["memory"] == [pytest.approx(0.2), None, None, 0.4]
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("127.0.0.1:9400", 200),
+        ("localhost:9400", 200),
+        ("[::1]:9400", 200),
+        ("LOCALHOST", 200),
+        ("attacker.example:9400", 403),
+        ("127.0.0.1.attacker.example", 403),
+    ],
+)
+def test_a_loopback_server_answers_only_to_loopback_names(
+    serve_machine: Any, host: str, status: int
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    conn = http.client.HTTPConnection("127.0.0.1", served.server.server_address[1], timeout=5)
+    try:
+        conn.request("GET", "/api/inventory", headers={"Host": host})
+        answer = conn.getresponse()
+        body = answer.read()
+    finally:
+        conn.close()
+    assert answer.status == status
+    assert (b"alice" in body) is (status == 200)

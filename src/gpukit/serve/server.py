@@ -38,9 +38,16 @@ def _static(name: str) -> bytes:
     return resources.files("gpukit.serve").joinpath("static").joinpath(name).read_bytes()
 
 
+_WRONG_HOST = (
+    b"gpukit serve listens on this machine only and answers only to its loopback names "
+    b"(127.0.0.1, localhost), so that no web page can read it through a name it controls.\n"
+)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: DashboardServer
     protocol_version = "HTTP/1.1"
+    timeout = 60  # a client that sends nothing does not keep a thread forever
 
     def do_GET(self) -> None:
         self._answer(head=False)
@@ -51,7 +58,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, *, head: bool) -> None:
         path = self.path.split("?", 1)[0]
         found = self.server.page(path)
-        if found is None:
+        if not self.server.accepts_host(self.headers.get("Host")):
+            self._send(HTTPStatus.FORBIDDEN, _WRONG_HOST, "text/plain; charset=utf-8", head)
+        elif found is None:
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8", head)
         else:
             body, kind = found
@@ -96,8 +105,25 @@ class DashboardServer(ThreadingHTTPServer):
                 "this machine has.",
             ) from exc
         self.sampler = sampler
+        self.loopback = is_loopback(host)
         self._static = {path: (_static(name), kind) for path, (name, kind) in _STATIC.items()}
         self._thread: threading.Thread | None = None
+
+    def accepts_host(self, header: str | None) -> bool:
+        """Whether to answer a request whose ``Host`` header is ``header``.
+
+        On a loopback address only loopback names are answered: a web page in the user's
+        browser could otherwise point a name it controls at 127.0.0.1 (DNS rebinding) and read
+        the user names and command lines the page shows. Served on another address, the admin
+        chose who may reach it, and any name is answered.
+        """
+        if not self.loopback or header is None:
+            return True
+        name = header.strip().lower()
+        if not name.endswith("]"):
+            name = name.rsplit(":", 1)[0]  # drop the port; an IPv6 address comes in brackets
+        name = name.strip("[]")
+        return is_loopback(name) or name == socket.gethostname().lower()
 
     @property
     def url(self) -> str:
