@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gpukit.gpus.claims import claim
+from gpukit.gpus.waiting import Ticket
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
@@ -81,6 +82,18 @@ def test_page_updates_when_the_gpus_change(serve_machine: Any, page: Any) -> Non
     with claim(["GPU-8d116ece-1738-f7d9-3d9c-172411e20b8f"], command="python sweep.py"):
         badge = page.locator("section.card[data-gpu='2'] .badge.claimed")
         sync_api.expect(badge).to_contain_text("claimed by", timeout=10_000)
+    summary = page.locator("#summary")
+    with Ticket():
+        sync_api.expect(summary).to_contain_text("1 waiter in line", timeout=10_000)
+    sync_api.expect(summary).to_contain_text("0 waiters in line", timeout=10_000)
+    assert page.problems == []
+
+
+def test_page_shows_why_a_lost_gpu_cannot_be_read(serve_machine: Any, page: Any) -> None:
+    served = serve_machine("kaggle-2xT4-one-lost")
+    page.goto(served.url)
+    page.wait_for_selector("section.card[data-gpu='1']")
+    assert page.locator("section.card .badge.error").count() == 1
     assert page.problems == []
 
 
