@@ -5,13 +5,39 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ() -> Iterator[None]:
+    """Undo every change a test makes to ``os.environ``.
+
+    Library calls such as ``gk.set_visible_devices`` write the environment themselves, and
+    ``monkeypatch.delenv`` of a variable that was not set records nothing to undo, so without
+    this one test's ``CUDA_VISIBLE_DEVICES`` would reach every later test.
+    """
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+BENCH_EXTRA = frozenset({"accelerate", "lightning", "matplotlib", "nvitop", "gpustat"})
+
+
+def skip_without_bench_extra(exc: ImportError) -> None:
+    """Skip when ``exc`` says a package of the ``bench`` extra is missing; else re-raise it."""
+    name = (exc.name or "").partition(".")[0]
+    if name not in BENCH_EXTRA:
+        raise exc
+    pytest.skip(f"{name} is not installed (pip install 'gpukit[bench]')")
 
 
 @pytest.fixture

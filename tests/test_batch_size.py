@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,15 +176,12 @@ def test_find_batch_size_rejects_a_function_that_is_not_callable() -> None:
         gk.find_batch_size(42, start=1, maximum=8)  # type: ignore[arg-type]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, port: int, limits: list[int], results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=len(limits))
+def _worker(rank: int, store: str, limits: list[int], results: dict) -> None:
+    # A file store, not a TCP port: a port chosen here could be taken by another process
+    # before the group binds it.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=len(limits)
+    )
     try:
         results[rank] = gk.find_batch_size(SimulatedGpu(limits[rank]), start=1, maximum=1024)
     finally:
@@ -193,9 +189,9 @@ def _worker(rank: int, port: int, limits: list[int], results: dict) -> None:
 
 
 @pytest.mark.slow
-def test_find_batch_size_makes_every_process_agree_on_the_smallest_size() -> None:
+def test_find_batch_size_makes_every_process_agree_on_the_smallest_size(tmp_path: Path) -> None:
     limits = [300, 123]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), limits, results), nprocs=2, join=True)
+        mp.spawn(_worker, args=(str(tmp_path / "store"), limits, results), nprocs=2, join=True)
         assert dict(results) == {0: 123, 1: 123}

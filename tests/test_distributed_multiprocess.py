@@ -132,7 +132,9 @@ def test_a_failing_worker_ends_launch_quickly_naming_its_rank_and_leaving_no_pro
     says: str,
 ) -> None:
     started = time.monotonic()
-    done = _script("launch_failing.py", mode, str(tmp_path), timeout=60)
+    # A hang would run into the subprocess timeout (an error); a slow, clean stop would not: the
+    # elapsed-time check below is what tells the two apart.
+    done = _script("launch_failing.py", mode, str(tmp_path), timeout=180)
     assert time.monotonic() - started < 60
     assert done.returncode != 0
     assert "WorkerFailedError" in done.stderr
@@ -142,7 +144,7 @@ def test_a_failing_worker_ends_launch_quickly_naming_its_rank_and_leaving_no_pro
     _assert_all_gone(pids)
 
 
-def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_together(tmp_path: Path) -> None:
+def _two_nodes(tmp_path: Path) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]]:
     endpoint = f"127.0.0.1:{free_port()}"
     command = [
         sys.executable,
@@ -170,6 +172,16 @@ def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_together(tmp_path: Path
             if node.poll() is None:
                 node.kill()
                 node.wait(timeout=10)
+    return nodes, outputs
+
+
+def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_together(tmp_path: Path) -> None:
+    # The port is free when chosen but another process may take it before the rendezvous binds
+    # it; that race is the machine's, not gpukit's, so only that failure is tried again.
+    for _ in range(3):
+        nodes, outputs = _two_nodes(tmp_path)
+        if not any("address already in use" in err.lower() for _, err in outputs):
+            break
     assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world_size"], r["backend"]) for r in results] == [

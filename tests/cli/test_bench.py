@@ -14,6 +14,8 @@ from tests.conftest import CliRunner
 def test_bench_writes_ratios_against_alternatives_as_json(
     run_cli: CliRunner, tmp_path: Path
 ) -> None:
+    for name in ("accelerate", "lightning"):
+        pytest.importorskip(name, reason=f"{name} is not installed (pip install 'gpukit[bench]')")
     out = tmp_path / "bench.json"
     result = run_cli("bench", "--only", "transfer", "--quick", "--json", str(out))
     assert result.returncode == 0, result.stderr

@@ -185,8 +185,8 @@ def test_run_timeout_exits_124_and_leaves_no_claim_behind(run_cli: CliRunner, lo
 def test_run_wait_starts_the_command_once_a_gpu_is_released(locks: Path) -> None:
     held = claim(_l4_uuids(), folder=locks)
     proc = _spawn(locks, "run", "--wait", *FAST, "--", *_py("print('ran')"))
-    time.sleep(0.5)
-    assert proc.poll() is None  # still waiting
+    _until(lambda: any((locks / "queue").glob("*.ticket")))  # it has joined the line
+    assert proc.poll() is None  # and waits there
     held.release()
     out, err = proc.communicate(timeout=30)
     assert (proc.returncode, out) == (0, "ran\n")
@@ -205,7 +205,7 @@ def test_kill_9_of_a_running_gpukit_frees_its_gpu_at_once_for_the_next_waiter(
     first = _spawn(locks, "run", *one_gpu, "--", *_py(sleeper))
     _until(lambda: started.exists() and started.read_text() != "")
     waiter = _spawn(locks, "run", "--wait", *one_gpu, *FAST, "--", *_py("print('next')"))
-    time.sleep(0.3)
+    _until(lambda: any((locks / "queue").glob("*.ticket")))  # it has joined the line
     assert waiter.poll() is None
     first.kill()
     first.wait()
@@ -317,13 +317,16 @@ def test_ddp_starts_one_worker_per_claimed_gpu(
     run_cli: CliRunner, locks: Path, tmp_path: Path
 ) -> None:
     script = tmp_path / "worker.py"
+    # Each worker writes its own file: two workers printing into one pipe may interleave.
     script.write_text(
-        "import os\nprint(os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], "
-        "os.environ['CUDA_VISIBLE_DEVICES'])\n"
+        "import os, pathlib\n"
+        "seen = [os.environ[k] for k in ('LOCAL_RANK', 'WORLD_SIZE', 'CUDA_VISIBLE_DEVICES')]\n"
+        f"pathlib.Path({str(tmp_path)!r}, 'rank' + seen[0]).write_text(' '.join(seen))\n"
     )
     done = run_cli("run", "-n", "2", "--ddp", "--", "python", str(script), env=dict(_env(locks)))
     assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.split("\n")[:2]) == ["0 2 0,1", "1 2 0,1"]
+    seen = sorted(p.read_text() for p in tmp_path.glob("rank*"))
+    assert seen == ["0 2 0,1", "1 2 0,1"]
 
 
 def test_gpukit_run_itself_never_imports_torch(locks: Path) -> None:
