@@ -79,6 +79,7 @@ def test_list_hosts_exits_3_when_no_host_answers(run_cli: CliRunner, hosts: Fake
         (["--hosts", "a", "--timeout", "0"], "Cannot wait 0.0 s"),
         (["--hosts", "a", "--watch"], "--watch does not combine with --hosts"),
         (["--hosts", "a", "--ssh-command", "'unclosed"], "Cannot read the ssh command"),
+        (["--timeout", "5"], "no --hosts was given"),
     ],
 )
 def test_list_hosts_refuses_bad_arguments_with_exit_2(

@@ -44,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     remote.add_argument(
         "--timeout",
         type=float,
-        default=10.0,
+        default=None,
         metavar="SECONDS",
         help="give up on a host after SECONDS (default 10)",
     )
@@ -138,8 +138,9 @@ def _hosts(args: argparse.Namespace) -> int:
             "--watch does not combine with --hosts.",
             hint="Run gpukit list --watch on each host, or gpukit serve there.",
         )
+    timeout = 10.0 if args.timeout is None else args.timeout
     readings = read_hosts(
-        parse_hosts(args.hosts), timeout=args.timeout, ssh_command_text=args.ssh_command
+        parse_hosts(args.hosts), timeout=timeout, ssh_command_text=args.ssh_command
     )
     if args.json:
         print_json(hosts_json(readings))
@@ -156,6 +157,13 @@ def run(args: argparse.Namespace) -> int:
     """Print the GPUs once, or keep a live view with ``--watch``."""
     if args.hosts is not None:
         return _hosts(args)
+    if args.timeout is not None or args.ssh_command is not None:
+        from gpukit.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            "--timeout and --ssh-command apply to other machines, and no --hosts was given.",
+            hint="Add --hosts A,B,C, or leave them out to list this machine's GPUs.",
+        )
     fake = os.environ.get("GPUKIT_FAKE_NVML")
     if fake:
         print(
