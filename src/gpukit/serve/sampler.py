@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import socket
@@ -39,9 +40,13 @@ STATE_SCHEMA = "gpukit.serve.state/1"
 def count_waiters(folder: Any = None) -> int:
     """How many processes wait in line for GPUs now (live tickets in ``<lock folder>/queue``).
 
-    Read-only: a ticket is live while its waiter holds its lock. Links and anything but plain
-    files are skipped, since anyone can write in that folder.
+    Read through the line's own reader (``gpukit.gpus.waiting.read_line``) where this gpukit
+    has one. Otherwise read-only here: a ticket is live while its waiter holds its lock; links
+    and anything but plain files are skipped, since anyone can write in that folder.
     """
+    read_line = getattr(importlib.import_module("gpukit.gpus.waiting"), "read_line", None)
+    if read_line is not None:
+        return len(read_line(folder).waiters)
     queue = (lock_dir() if folder is None else folder) / "queue"
     try:
         names = os.listdir(queue)
@@ -167,6 +172,22 @@ def claims_json(
     }
 
 
+def _queue_snapshot() -> Callable[[Inventory], dict[str, Any]] | None:
+    """``gpukit queue``'s snapshot (schema ``gpukit.queue/1``) where this gpukit has it.
+
+    Read-only (``observe=False``): the server shows the line, it does not keep the idle ledger.
+    """
+    try:
+        module = importlib.import_module("gpukit.gpus.sharing")
+    except ImportError:
+        return None
+
+    def snapshot(inv: Inventory) -> dict[str, Any]:
+        return dict(module.sharing(inv, observe=False).to_json())
+
+    return snapshot
+
+
 def _dumps(payload: Any) -> bytes:
     return json.dumps(payload, default=str, separators=(",", ":")).encode()
 
@@ -200,6 +221,7 @@ class Sampler:
         self._read = read
         self._read_claims = read_claims
         self._read_waiters = read_waiters
+        self._queue = _queue_snapshot()
         self.history = History()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -232,6 +254,9 @@ class Sampler:
         now = time.time()
         inv_doc = None if inv is None else inv.to_json()
         queue_doc = claims_json(inv, claims, waiters)
+        if self._queue is not None and inv is not None:
+            with contextlib.suppress(GpukitError):  # the claims above still say who holds what
+                queue_doc = self._queue(inv)
         state = {
             "schema": STATE_SCHEMA,
             "host": self.host,

@@ -123,17 +123,40 @@ function render(state) {
   const error = document.getElementById("error");
   error.hidden = !state.error;
   error.textContent = state.error ? "Last reading failed: " + state.error : "";
-  const claims = new Map(queue.claims.map((c) => [c.uuid, c]));
   const gpus = inv ? inv.gpus : [];
+  const claims = holders(queue, gpus);
+  const line = Array.isArray(queue.waiters) ? queue.waiters : null;
+  const count = line ? line.length : queue.waiters;
   const when = new Date(state.taken_at * 1000).toLocaleTimeString();
-  const waiters = queue.waiters === 1 ? "1 waiter" : queue.waiters + " waiters";
+  const waiters = count === 1 ? "1 waiter" : count + " waiters";
   document.getElementById("summary").textContent =
     gpus.length + (gpus.length === 1 ? " GPU" : " GPUs") +
     (inv ? " · driver " + (inv.driver_version ?? "n/a") + " · CUDA " + (inv.cuda_driver_version ?? "n/a") : "") +
     " · " + claims.size + " claimed · " + waiters + " in line · updated " + when;
+  const list = document.getElementById("line");
+  list.hidden = !(line && line.length);
+  list.replaceChildren(...(line || []).map((w) => el("li", {},
+    el("span", { class: "user" }, w.user ?? "?"),
+    " waits for " + (w.n ?? "?") + (w.n === 1 ? " GPU" : " GPUs") +
+    (w.criteria ? " (" + w.criteria + ")" : "") + (w.reason ? ": " + w.reason : ""))));
   const history = state.history.gpus;
   document.getElementById("gpus").replaceChildren(
-    ...gpus.map((g) => card(g, claims.get(g.uuid), history[g.uuid])));
+    ...gpus.map((g) => card(g, claims.get(g.index), history[g.uuid])));
+}
+
+// GPU index -> who holds it, from either document /api/queue serves: gpukit queue's snapshot
+// (gpukit.queue/1, holders by GPU index) or the claims alone (gpukit.claims/1, by UUID).
+function holders(queue, gpus) {
+  const byIndex = new Map();
+  if (queue.schema === "gpukit.queue/1") {
+    for (const h of queue.holders) {
+      for (const index of h.gpus) if (index !== null) byIndex.set(index, h);
+    }
+  } else {
+    const byUuid = new Map(queue.claims.map((c) => [c.uuid, c]));
+    for (const g of gpus) if (byUuid.has(g.uuid)) byIndex.set(g.index, byUuid.get(g.uuid));
+  }
+  return byIndex;
 }
 
 async function poll() {
