@@ -20,6 +20,7 @@ class ExitCode(IntEnum):
     USAGE = 2
     NO_DRIVER = 3
     NO_GPU = 4
+    LOCK_FOLDER = 5
     TIMEOUT = 124
 
 
@@ -88,6 +89,25 @@ class ClaimError(GpukitError, RuntimeError):
     """A GPU could not be claimed because another process holds it."""
 
     exit_code = ExitCode.NO_GPU
+
+
+class LockFolderError(GpukitError, RuntimeError):
+    """The lock folder cannot be used: it cannot be created or written, or gpukit refuses it.
+
+    Refused means that it does not fit the lock folder's trust model (README, "Security"): a
+    link in place of the folder, a folder another user owns that is not shared the way gpukit
+    shares it, or a configured location that is not an absolute path.
+    """
+
+    exit_code = ExitCode.LOCK_FOLDER
+
+
+class UnsafeLockFileError(LockFolderError):
+    """A file in the lock folder that gpukit refuses to open for writing.
+
+    A symbolic or hard link (possibly to one of your files), a FIFO, a device or a folder where
+    a lock file should be: gpukit never writes, truncates or waits on such a thing.
+    """
 
 
 class WaitTimeoutError(GpukitError, TimeoutError):

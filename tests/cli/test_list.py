@@ -67,7 +67,7 @@ def test_list_shows_one_line_per_gpu_with_its_users(run_cli: CliRunner, machines
 
 def test_list_shows_mig_instances_under_their_gpu(run_cli: CliRunner, machines_dir: Path) -> None:
     lines = run_cli("list", env=_fake(machines_dir, "server-2xH100-mig")).stdout.splitlines()
-    rows = [line.split()[0] for line in lines[2:]]
+    rows = [line.split()[0] for line in lines[2:] if not line.startswith("lock folder:")]
     assert rows == ["0", "0.0", "0.1", "1"]
     assert "frank:7001" in lines[3]
 
@@ -231,11 +231,12 @@ def test_list_keeps_every_gpu_index_on_an_80_column_terminal(
     monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    inv, view = _read()
+    inv, view, locks = _read()
     out = Console(width=80, force_terminal=True, color_system=None, highlight=False)
     with out.capture() as captured:
-        out.print(_render(inv, view))
-    text = captured.get().split("note:")[0]  # the notes below the table wrap, as prose does
+        out.print(_render(inv, view, locks))
+    # the notes below the table wrap, as prose does
+    text = re.split("note:|lock folder:", captured.get())[0]
     lines = text.splitlines()
     assert lines[1].split()[0] == "GPU"
     gpu_rows = [line for line in lines[2:] if "└" not in line]

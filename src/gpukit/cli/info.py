@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from gpukit.cli._lock_folder import read_lock_folder
 from gpukit.cli._output import console, human_bytes, na, print_json
 
 
@@ -28,6 +29,7 @@ def collect() -> tuple[dict[str, Any], list[Any]]:
         info["nvml"] = inventory().to_json()
     except (NoDriverError, NvmlError) as exc:
         info["nvml"] = {"available": False, "reason": str(exc)}
+    info["lock_dir"] = read_lock_folder(with_claims=False).to_json()
     return info, reports
 
 
@@ -122,6 +124,19 @@ def _render(info: dict[str, Any]) -> None:
     if cuda["devices"]:
         _render_devices(out, cuda["devices"])
     _render_nvml(out, info["nvml"])
+    _render_lock_dir(out, info["lock_dir"])
+
+
+def _render_lock_dir(out: Any, lock: dict[str, Any]) -> None:
+    from rich.text import Text
+
+    out.print()
+    if lock["path"] is not None:
+        out.print(Text(f"lock folder (claims of gpukit run): {lock['path']} ({lock['source']})"))
+    if lock.get("warning"):
+        out.print(Text(f"warning: {lock['warning']}", style="yellow"))
+    if lock["error"]:
+        out.print(Text(f"error: {lock['error']}", style="red"))
 
 
 def _render_nvml(out: Any, nvml: dict[str, Any]) -> None:

@@ -13,14 +13,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpukit.cli._gpu_table import build_table
+from gpukit.cli._lock_folder import LockFolderState, read_lock_folder
 from gpukit.cli._output import na, print_json
+from gpukit.errors import ExitCode
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.visible import VisibleDevices, visible_devices
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
-
-    from gpukit.gpus.claims import Holder
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -56,19 +56,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _claims() -> dict[str, Holder]:
-    """Claims held right now by gpukit users on this machine, by GPU UUID."""
-    from gpukit.gpus.claims import current_claims
+def _payload(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> dict[str, Any]:
+    claims = None
+    if locks.claims is not None:
+        claims = {uuid: holder.to_json() for uuid, holder in locks.claims.items()}
+    return {
+        **inv.to_json(),
+        "visible": view.to_json(),
+        "claims": claims,
+        "lock_dir": locks.to_json(),
+    }
 
-    return current_claims()
 
-
-def _payload(inv: Inventory, view: VisibleDevices) -> dict[str, Any]:
-    claims = {uuid: holder.to_json() for uuid, holder in _claims().items()}
-    return {**inv.to_json(), "visible": view.to_json(), "claims": claims}
-
-
-def _render(inv: Inventory, view: VisibleDevices) -> RenderableType:
+def _render(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> RenderableType:
     from rich.console import Group
     from rich.text import Text
 
@@ -80,10 +80,11 @@ def _render(inv: Inventory, view: VisibleDevices) -> RenderableType:
     )
     if view.restricted:
         head.append(f" · CUDA_VISIBLE_DEVICES={view.env}")
-    held = _claims()
+    held = locks.claims
     claims = {uuid: holder.describe() for uuid, holder in held.items()} if held else None
     parts: list[RenderableType] = [head, build_table(inv, view, claims=claims)]
     parts.extend(Text(f"note: {w}", style="yellow") for w in view.warnings)
+    parts.extend(Text(text, style=style) for text, style in locks.notes())
     return Group(*parts)
 
 
@@ -95,9 +96,9 @@ def _print(out: Console, renderable: RenderableType) -> None:
     out.print(renderable)
 
 
-def _read() -> tuple[Inventory, VisibleDevices]:
+def _read() -> tuple[Inventory, VisibleDevices, LockFolderState]:
     inv = inventory()
-    return inv, visible_devices(inv)
+    return inv, visible_devices(inv), read_lock_folder()
 
 
 def _watch(args: argparse.Namespace) -> int:
@@ -111,12 +112,12 @@ def _watch(args: argparse.Namespace) -> int:
         if args.json or not out.is_terminal:
             # A log or a program: a full reading per interval, never cursor movement.
             while True:
-                inv, view = _read()
+                inv, view, locks = _read()
                 if args.json:
-                    sys.stdout.write(json.dumps(_payload(inv, view), default=str) + "\n")
+                    sys.stdout.write(json.dumps(_payload(inv, view, locks), default=str) + "\n")
                     sys.stdout.flush()
                 else:
-                    _print(out, _render(inv, view))
+                    _print(out, _render(inv, view, locks))
                 time.sleep(interval)
         # auto_refresh off: the screen changes only when a new reading arrives, so an idle
         # watch costs one NVML reading per interval and no redraws in between.
@@ -171,11 +172,12 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.watch is not None:
         return _watch(args)
-    inv, view = _read()
+    inv, view, locks = _read()
     if args.json:
-        print_json(_payload(inv, view))
-        return 0
-    from gpukit.cli._output import console
+        print_json(_payload(inv, view, locks))
+    else:
+        from gpukit.cli._output import console
 
-    _print(console(), _render(inv, view))
-    return 0
+        _print(console(), _render(inv, view, locks))
+    # The GPUs are shown either way; a script learns that their claims could not be read.
+    return ExitCode.LOCK_FOLDER if locks.error else ExitCode.OK

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ckpt": ("gpukit.cli.ckpt", "inspect and repair checkpoints"),
     "demo": ("gpukit.cli.demo", "train a small network on bundled digits over every device"),
     "bench": ("gpukit.cli.bench", "measure this machine and gpukit against the alternatives"),
+    "setup-locks": ("gpukit.cli.setup_locks", "(admin) give the machine a lock folder root owns"),
 }
 
 EPILOG = """exit codes:
@@ -33,6 +34,7 @@ EPILOG = """exit codes:
   2    usage error (bad arguments, unknown device)
   3    no NVIDIA driver or NVML on this machine
   4    no GPU satisfies the criteria
+  5    the lock folder cannot be created or written, or is refused as unsafe
   124  waited past --timeout
   gpukit run otherwise returns the exit code of the command it ran.
 """

@@ -5,8 +5,11 @@
 ...     held.indices
 [2, 4]
 
-One lock file per GPU UUID in a folder every user can write (``GPUKIT_LOCK_DIR``, default
-``<tmp>/gpukit-locks``), locked with ``fcntl.flock``. The kernel drops a flock when the last
+One lock file per GPU UUID in the machine's lock folder (:mod:`.lockdir`: ``GPUKIT_LOCK_DIR``,
+``lock_dir`` in ``/etc/gpukit/config.toml``, or ``/tmp/gpukit-locks``), locked with
+``fcntl.flock``. Every user can write that folder, so every file in it is opened through
+:mod:`.lockfiles` (no links, no FIFOs, one link only) and every record read from it is
+untrusted data, checked field by field. The kernel drops a flock when the last
 file descriptor of its holder closes, so a process that crashes or is killed (even with
 SIGKILL) never leaves a GPU claimed. The lock file records who holds it as JSON (user, pid,
 host, command, since) so that ``gpukit list`` can say who claimed a GPU.
@@ -22,10 +25,10 @@ import errno
 import fcntl
 import getpass
 import json
+import math
 import os
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -33,14 +36,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from gpukit.errors import ClaimError, InvalidArgumentError
+from gpukit.errors import (
+    ClaimError,
+    InvalidArgumentError,
+    LockFolderError,
+    UnsafeLockFileError,
+)
+from gpukit.gpus.lockdir import LOCK_DIR_VAR, lock_dir
+from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder
 
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import GPU
 
-LOCK_DIR_VAR = "GPUKIT_LOCK_DIR"
-_SHARED_DIR_MODE = 0o1777  # world-writable with the sticky bit, like /tmp
-_SHARED_FILE_MODE = 0o666  # another user must be able to open the file to lock it later
+__all__ = ["LOCK_DIR_VAR", "Claim", "Holder", "claim", "current_claims", "holder_of", "lock_dir"]
+
 # A reader probing a lock holds it (shared) for microseconds; a claimer that meets such a probe
 # tries again before concluding that the GPU is taken.
 _CLAIM_TRIES = 5
@@ -57,9 +66,13 @@ class Holder:
     command: str | None
     since: float | None
     """Unix time the claim was taken."""
+    problem: str | None = None
+    """Why the lock file could not be read (a link, a FIFO...): the GPU counts as taken."""
 
     def describe(self) -> str:
         """``'bob (pid 4242: python train.py)'``: for tables and error messages."""
+        if self.problem:
+            return f"? ({self.problem})"
         who = self.user or "?"
         command = f": {self.command[:40]}" if self.command else ""
         return f"{who} (pid {self.pid if self.pid is not None else '?'}{command})"
@@ -69,45 +82,13 @@ class Holder:
         return asdict(self)
 
 
-def lock_dir() -> Path:
-    """The lock folder: ``GPUKIT_LOCK_DIR``, or ``gpukit-locks`` under the system temp dir."""
-    configured = os.environ.get(LOCK_DIR_VAR)
-    return Path(configured) if configured else Path(tempfile.gettempdir()) / "gpukit-locks"
-
-
 def shared_dir(path: Path) -> Path:
-    """Create ``path`` (if missing) so that every user can add files to it; return it."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ClaimError(
-            f"Cannot create the gpukit lock folder {path} ({exc.strerror}).",
-            hint=f"Set {LOCK_DIR_VAR} to a folder every user of the GPUs can write.",
-        ) from exc
-    with contextlib.suppress(OSError):  # only its owner may chmod; then it is already set up
-        if path.stat().st_uid == os.getuid():
-            path.chmod(_SHARED_DIR_MODE)
-    return path
+    """Create ``path`` (if missing) so that every user can add files to it; return it.
 
-
-def _open_shared(path: Path) -> int:
-    """Open (creating if needed) a lock file every user can lock, and return its descriptor.
-
-    An existing file is opened without O_CREAT: with ``fs.protected_regular`` Linux refuses
-    O_CREAT on another user's file in a sticky folder, even one that is world-writable.
+    Raises LockFolderError when it cannot be created or does not fit the trust model.
     """
-    flags = os.O_RDWR | os.O_CLOEXEC
-    while True:
-        try:
-            return os.open(path, flags)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, _SHARED_FILE_MODE)
-        except FileExistsError:
-            continue  # another process created it between the two calls: open theirs
-        os.fchmod(fd, _SHARED_FILE_MODE)  # the umask took some bits away
-        return fd
+    os.close(open_folder(path, create=True))
+    return path
 
 
 def _lock_path(folder: Path, uuid: str) -> Path:
@@ -119,13 +100,46 @@ def _lock_path(folder: Path, uuid: str) -> Path:
     return folder / f"{uuid}.lock"
 
 
+_NOBODY = Holder(None, None, None, None, None)
+# Lengths past which a field is cut: a record is shown in one table cell or one message.
+_TEXT_LIMITS = {"user": 64, "host": 255, "command": 500}
+
+
+def _text(value: object, limit: int) -> str | None:
+    """A printable string from an untrusted field; None for anything that is not a string."""
+    if not isinstance(value, str):
+        return None
+    # Control characters could move the cursor or recolour the terminal of `gpukit list`.
+    clean = "".join(c if c.isprintable() else "?" for c in value[:limit])
+    return clean or None
+
+
+def _number(value: object, low: float, high: float) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    # Compared before any conversion: float() of a 400-digit int raises OverflowError.
+    if not low <= value <= high or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return float(value)
+
+
 def _read_holder(data: bytes) -> Holder:
+    """The holder a lock file records. Any user can write that file: trust no field of it."""
     try:
         raw = json.loads(data.decode())
-        return Holder(**{k: raw.get(k) for k in Holder.__dataclass_fields__})
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, RecursionError):
         # Half-written by a holder that is locking it right now, or not ours: held, by someone.
-        return Holder(None, None, None, None, None)
+        return _NOBODY
+    if not isinstance(raw, dict):
+        return _NOBODY
+    pid = _number(raw.get("pid"), 1, 2**31 - 1)
+    return Holder(
+        user=_text(raw.get("user"), _TEXT_LIMITS["user"]),
+        pid=int(pid) if pid is not None and pid.is_integer() else None,
+        host=_text(raw.get("host"), _TEXT_LIMITS["host"]),
+        command=_text(raw.get("command"), _TEXT_LIMITS["command"]),
+        since=_number(raw.get("since"), 0, 1e12),
+    )
 
 
 def _try_lock(fd: int, kind: int) -> bool:
@@ -138,12 +152,15 @@ def _try_lock(fd: int, kind: int) -> bool:
     return True
 
 
-def holder_of(path: Path) -> Holder | None:
-    """Who holds the lock file at ``path``, or ``None`` when nobody does."""
+def _holder_in(folder: Path, name: str, dir_fd: int) -> Holder | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = open_lock_file(folder, name, dir_fd=dir_fd)
+    except FileNotFoundError:
         return None
+    except UnsafeLockFileError as exc:
+        return Holder(None, None, None, None, None, problem=f"unsafe lock file: {exc.message}")
+    except LockFolderError as exc:
+        return Holder(None, None, None, None, None, problem=f"unreadable lock file: {exc.message}")
     try:
         data = os.read(fd, 64 * 1024)
         if not data.strip():
@@ -152,23 +169,49 @@ def holder_of(path: Path) -> Holder | None:
         if _try_lock(fd, fcntl.LOCK_SH):
             return None  # its holder died: the kernel dropped the lock, the record stayed
         return _read_holder(data)
+    except OSError:
+        return _NOBODY  # cannot tell: count it as taken rather than hand the GPU out twice
     finally:
         os.close(fd)  # also drops a shared lock taken above
 
 
+def holder_of(path: Path) -> Holder | None:
+    """Who holds the lock file at ``path``, or ``None`` when nobody does.
+
+    A lock file that is not safe to open (a link, a FIFO) or cannot be read counts as held, by
+    a :class:`Holder` whose ``problem`` says why. Raises LockFolderError when the folder is
+    refused.
+    """
+    path = Path(path)
+    if not os.path.lexists(path.parent):
+        return None
+    with opened_folder(path.parent) as dir_fd:
+        return _holder_in(path.parent, path.name, dir_fd)
+
+
 def current_claims(folder: Path | None = None) -> dict[str, Holder]:
-    """GPU UUID -> holder, for every GPU whose claim is held right now (for ``gpukit list``)."""
+    """GPU UUID -> holder, for every GPU whose claim is held right now (for ``gpukit list``).
+
+    A missing lock folder holds no claims. Raises LockFolderError when the folder is refused
+    (a link, another user's folder without the sticky bit): its claims cannot be trusted.
+    """
     folder = lock_dir() if folder is None else folder
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
+    if not os.path.lexists(folder):
         return {}
-    claims = {}
-    for name in names:
-        if name.endswith(".lock") and not name.startswith("."):
-            holder = holder_of(folder / name)
-            if holder is not None:
-                claims[name.removesuffix(".lock")] = holder
+    with opened_folder(folder) as dir_fd:
+        try:
+            names = sorted(os.listdir(dir_fd))
+        except OSError as exc:
+            raise LockFolderError(
+                f"Cannot list the lock folder {folder}: {exc.strerror}.",
+                hint=f"Set {LOCK_DIR_VAR} to a folder every user of the GPUs can read.",
+            ) from exc
+        claims = {}
+        for name in names:
+            if name.endswith(".lock") and not name.startswith("."):
+                holder = _holder_in(folder, name, dir_fd)
+                if holder is not None:
+                    claims[name.removesuffix(".lock")] = holder
     return claims
 
 
@@ -251,17 +294,25 @@ class Claim:
         return f"Claim({', '.join(self.uuids) or '-'}, {state})"
 
 
-def _acquire(path: Path, record: bytes) -> int | None:
-    fd = _open_shared(path)
-    for attempt in range(_CLAIM_TRIES):
-        if _try_lock(fd, fcntl.LOCK_EX):
-            # Record first, then trim: a reader sees the old record or the new one, never "".
-            os.pwrite(fd, record, 0)
-            os.ftruncate(fd, len(record))
-            return fd
-        if attempt + 1 < _CLAIM_TRIES and holder_of(path) is not None:
-            break  # a real holder, not a passing probe
-        time.sleep(_CLAIM_RETRY_S)
+def _acquire(folder: Path, dir_fd: int, name: str, record: bytes) -> int | None:
+    fd = open_lock_file(folder, name, dir_fd=dir_fd, write=True, create=True)
+    try:
+        for attempt in range(_CLAIM_TRIES):
+            if _try_lock(fd, fcntl.LOCK_EX):
+                # Record first, then trim: a reader sees the old record or the new one, never "".
+                os.pwrite(fd, record, 0)
+                os.ftruncate(fd, len(record))
+                return fd
+            if attempt + 1 < _CLAIM_TRIES and _holder_in(folder, name, dir_fd) is not None:
+                break  # a real holder, not a passing probe
+            time.sleep(_CLAIM_RETRY_S)
+    except OSError as exc:
+        os.close(fd)
+        raise LockFolderError(
+            f"Cannot write the lock file {folder / name}: {exc.strerror or exc}.",
+            hint="Free space on its disk, or set GPUKIT_LOCK_DIR to a folder on a local disk "
+            "that supports file locks.",
+        ) from exc
     os.close(fd)
     return None
 
@@ -272,7 +323,9 @@ def claim(
     """Hold ``gpus`` (GPUs or UUIDs) for this process, or raise ClaimError naming their holders.
 
     All or nothing: when one GPU is held by another process, none is claimed. ``command`` is
-    recorded for ``gpukit list`` (default: this process's command line).
+    recorded for ``gpukit list`` (default: this process's command line). Raises
+    LockFolderError (exit code 5) when the lock folder or a lock file in it cannot be used or
+    is refused (:mod:`.lockfiles`); nothing is claimed then either.
     """
     items = tuple(gpus)
     uuids = [_uuid_of(g) for g in items]
@@ -280,18 +333,24 @@ def claim(
         raise InvalidArgumentError(
             f"Cannot claim {', '.join(uuids)}: a GPU is listed twice.", hint="List each GPU once."
         )
-    folder = shared_dir(lock_dir() if folder is None else folder)
+    folder = lock_dir() if folder is None else Path(folder)
     record = _record(command)
     fds: dict[str, int] = {}
     taken: list[str] = []
-    for uuid in uuids:
-        path = _lock_path(folder, uuid)
-        fd = _acquire(path, record)
-        if fd is None:
-            holder = holder_of(path)
-            taken.append(f"{uuid} by {holder.describe() if holder else 'a process now gone'}")
-        else:
-            fds[uuid] = fd
+    with opened_folder(folder, create=True) as dir_fd:
+        try:
+            for uuid in uuids:
+                name = _lock_path(folder, uuid).name
+                fd = _acquire(folder, dir_fd, name, record)
+                if fd is None:
+                    holder = _holder_in(folder, name, dir_fd)
+                    who = holder.describe() if holder else "a process now gone"
+                    taken.append(f"{uuid} by {who}")
+                else:
+                    fds[uuid] = fd
+        except BaseException:
+            Claim(items, fds, folder).release()
+            raise
     if taken:
         Claim(items, fds, folder).release()
         raise ClaimError(

@@ -1,0 +1,131 @@
+"""Mutation testing of gpukit's core modules, one module at a time (see docs/testing.md).
+
+    python scripts/mutation.py                      # every core module
+    python scripts/mutation.py gpukit.gpus.select   # one or more modules
+    python scripts/mutation.py --list               # the core modules and the tests run on each
+
+Each module is mutated by mutmut in a scratch copy of the project, against the test files that
+state its behaviour (running the whole suite for each mutant would take hours on a small
+machine). The score is the share of mutants that some test kills; a survivor is either a test
+to write or, when the mutant changes nothing a user can observe, an equivalent mutant to record
+with its reason in docs/testing.md. Not part of CI: a module takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# module -> the test files that state its behaviour
+CORE: dict[str, list[str]] = {
+    "gpukit.gpus.claims": ["tests/test_claims.py"],
+    "gpukit.gpus.select": ["tests/test_select.py", "tests/cli/test_pick.py"],
+    "gpukit.gpus.waiting": ["tests/test_waiting.py", "tests/cli/test_run.py"],
+    "gpukit.gpus.visible": ["tests/test_visible.py"],
+    "gpukit.transfer": ["tests/test_transfer.py"],
+    "gpukit.parallel.scatter": ["tests/parallel/test_scatter.py"],
+    "gpukit.parallel.gather": ["tests/parallel/test_gather.py"],
+    "gpukit.checkpoint.keys": ["tests/test_checkpoint_keys.py", "tests/test_checkpoint_load.py"],
+    "gpukit.checkpoint.io": [
+        "tests/test_checkpoint_atomic.py",
+        "tests/test_checkpoint_load.py",
+        "tests/test_checkpoint_save.py",
+    ],
+    "gpukit.memory.batch_size": ["tests/test_batch_size.py"],
+    "gpukit.distributed.data": ["tests/test_distributed.py"],
+}
+
+
+def _config(module: str, tests: list[str]) -> str:
+    source = "src/" + module.replace(".", "/") + ".py"
+    return (
+        "\n[tool.mutmut]\n"
+        'source_paths = ["src/gpukit"]\n'
+        f"only_mutate = [{json.dumps(source)}]\n"
+        'also_copy = ["src", "tests"]\n'
+        'pytest_add_cli_args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-q"]\n'
+        f"pytest_add_cli_args_test_selection = {json.dumps([*tests, '-m', 'not slow'])}\n"
+        'process_isolation = "forkserver"\n'
+    )
+
+
+def run_module(module: str, tests: list[str], keep: Path | None) -> dict[str, int | float | str]:
+    """Mutate ``module`` in a scratch copy, run its tests against each mutant, return the counts."""
+    present = [t for t in tests if (ROOT / t).exists()]
+    if not present:
+        raise SystemExit(f"{module}: none of its test files exist: {tests}")
+    scratch = Path(tempfile.mkdtemp(prefix=f"gpukit-mutation-{module}-"))
+    try:
+        for name in ("src", "tests"):
+            shutil.copytree(
+                ROOT / name, scratch / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        pyproject = (ROOT / "pyproject.toml").read_text()
+        pyproject = re.sub(r"\n\[tool\.mutmut\]\n(?:[^\[].*\n|\n)*", "\n", pyproject)
+        (scratch / "pyproject.toml").write_text(pyproject + _config(module, present))
+        subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=scratch, check=False)
+        subprocess.run(
+            [sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=scratch, check=True
+        )
+        stats = json.loads((scratch / "mutants" / "mutmut-cicd-stats.json").read_text())
+        survivors = subprocess.run(
+            [sys.executable, "-m", "mutmut", "results"],
+            cwd=scratch,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{module}.survivors.txt").write_text(survivors)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    tested = int(stats.get("total", 0)) - int(stats.get("skipped", 0))
+    killed = int(stats.get("killed", 0)) + int(stats.get("timeout", 0))
+    return {
+        "module": module,
+        "mutants": tested,
+        "killed": killed,
+        "survived": int(stats.get("survived", 0)),
+        "no_tests": int(stats.get("no_tests", 0)),
+        "score": round(100 * killed / tested, 1) if tested else 0.0,
+        "tests": " ".join(present),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", help="dotted module names (default: every core one)")
+    parser.add_argument("--list", action="store_true", help="list the core modules and tests")
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("--survivors", type=Path, help="write each module's survivors here")
+    args = parser.parse_args(argv)
+    if args.list:
+        for module, tests in CORE.items():
+            print(f"{module}: {' '.join(tests)}")
+        return 0
+    unknown = [m for m in args.modules if m not in CORE]
+    if unknown:
+        parser.error(f"not a core module: {', '.join(unknown)} (see --list)")
+    results = [run_module(m, CORE[m], args.survivors) for m in (args.modules or CORE)]
+    print(f"\n{'module':32} {'mutants':>8} {'killed':>7} {'survived':>9} {'score':>6}")
+    for r in results:
+        print(
+            f"{r['module']:32} {r['mutants']:>8} {r['killed']:>7} {r['survived']:>9} "
+            f"{r['score']:>5}%"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
