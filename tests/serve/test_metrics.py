@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,20 @@ def test_sampler_refuses_to_start_without_a_driver(
     monkeypatch.setenv("GPUKIT_FAKE_NVML", str(machines_dir / "no-driver.json"))
     with pytest.raises(NoDriverError):
         Sampler(3600).start()
+
+
+def test_a_refused_lock_folder_leaves_claims_unknown_not_free(
+    serve_machine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    (tmp_path / "real-locks").mkdir()
+    os.symlink(tmp_path / "real-locks", tmp_path / "link-locks")
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path / "link-locks"))
+    sample = served.sampler.sample()
+    m = _samples(sample.metrics)
+    assert _value(m, "gpukit_gpu_temperature_celsius", gpu="0") == 67
+    assert "gpukit_gpu_claimed" not in _names(m)
+    assert "gpukit_waiters" not in _names(m)
+    state = json.loads(sample.state_json)
+    assert state["error"].startswith("Claims unknown: ")
+    assert state["queue"]["claims"] is None

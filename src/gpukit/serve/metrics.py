@@ -29,7 +29,11 @@ def _text(value: object, limit: int = 64) -> str:
 
 class _SampleCollector(Collector):
     def __init__(
-        self, inv: Inventory | None, claims: Mapping[str, Holder], waiters: int, ok: bool
+        self,
+        inv: Inventory | None,
+        claims: Mapping[str, Holder] | None,
+        waiters: int | None,
+        ok: bool,
     ) -> None:
         self.inv = inv
         self.claims = claims
@@ -45,7 +49,8 @@ class _SampleCollector(Collector):
         waiters = GaugeMetricFamily(
             "gpukit_waiters", "Processes waiting in line for GPUs (gpukit run --wait)"
         )
-        waiters.add_metric([], float(self.waiters))
+        if self.waiters is not None:  # unknown when the lock folder was refused: no sample
+            waiters.add_metric([], float(self.waiters))
         yield waiters
         if self.inv is None:
             return
@@ -121,10 +126,11 @@ class _SampleCollector(Collector):
                     [index, str(p.pid), _text(p.user), _text(p.command, _COMMAND_CHARS)],
                     float(p.used_memory),
                 )
-            holder = self.claims.get(g.uuid) if g.uuid else None
-            claimed.add_metric(
-                [index, _text(holder.user if holder else None)], 1.0 if holder else 0.0
-            )
+            if self.claims is not None:
+                holder = self.claims.get(g.uuid) if g.uuid else None
+                claimed.add_metric(
+                    [index, _text(holder.user if holder else None)], 1.0 if holder else 0.0
+                )
             for m in g.mig_instances:
                 labels = [index, str(m.index), m.uuid, _text(m.name)]
                 if m.memory_used is not None:
@@ -140,7 +146,11 @@ class _SampleCollector(Collector):
 
 
 def exposition(
-    inv: Inventory | None, claims: Mapping[str, Holder], waiters: int, *, ok: bool = True
+    inv: Inventory | None,
+    claims: Mapping[str, Holder] | None,
+    waiters: int | None,
+    *,
+    ok: bool = True,
 ) -> bytes:
     """The Prometheus text exposition of one sample (what ``/metrics`` answers)."""
     registry = CollectorRegistry(auto_describe=False)

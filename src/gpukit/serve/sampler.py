@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpukit.errors import GpukitError, InvalidArgumentError
-from gpukit.gpus.claims import Holder, current_claims, lock_dir
+from gpukit.gpus.claims import Holder, current_claims
 from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.lockdir import lock_dir
 
 HISTORY_S = 3600.0
 """How far back the in-memory history reaches (the dashboard's charts show the last hour)."""
@@ -78,8 +79,9 @@ class Sample:
 
     taken_at: float
     inventory: Inventory | None
-    claims: Mapping[str, Holder]
-    waiters: int
+    claims: Mapping[str, Holder] | None
+    """``None`` when the lock folder could not be read (refused as untrustworthy)."""
+    waiters: int | None
     error: str | None
     """Why the last reading failed (the previous inventory is kept, marked stale)."""
     metrics: bytes = b""
@@ -153,9 +155,11 @@ class History:
 
 
 def claims_json(
-    inv: Inventory | None, claims: Mapping[str, Holder], waiters: int
+    inv: Inventory | None, claims: Mapping[str, Holder] | None, waiters: int | None
 ) -> dict[str, Any]:
-    """The ``gpukit.claims/1`` document: who holds which GPU now, and how many wait in line."""
+    """The ``gpukit.claims/1`` document: who holds which GPU now, and how many wait in line.
+
+    ``claims: null`` and ``waiters: null`` when the lock folder could not be read."""
     index = {}
     if inv is not None:
         for gpu in inv.gpus:
@@ -164,7 +168,9 @@ def claims_json(
                 index[mig.uuid] = gpu.index
     return {
         "schema": CLAIMS_SCHEMA,
-        "claims": [
+        "claims": None
+        if claims is None
+        else [
             {"uuid": uuid, "gpu": index.get(uuid), **holder.to_json()}
             for uuid, holder in sorted(claims.items())
         ],
@@ -249,12 +255,18 @@ class Sampler:
             self._failure = exc
         if inv is not None and error is None:
             self.history.add(inv)
-        claims = dict(self._read_claims())
-        waiters = self._read_waiters()
+        claims: dict[str, Holder] | None = None
+        waiters: int | None = None
+        lock_error = None
+        try:
+            claims = dict(self._read_claims())
+            waiters = self._read_waiters()
+        except GpukitError as exc:  # a refused lock folder: the GPUs are still worth showing
+            lock_error = f"Claims unknown: {exc.message}"
         now = time.time()
         inv_doc = None if inv is None else inv.to_json()
         queue_doc = claims_json(inv, claims, waiters)
-        if self._queue is not None and inv is not None:
+        if self._queue is not None and inv is not None and lock_error is None:
             with contextlib.suppress(GpukitError):  # the claims above still say who holds what
                 queue_doc = self._queue(inv)
         state = {
@@ -262,7 +274,7 @@ class Sampler:
             "host": self.host,
             "taken_at": now,
             "interval_s": self.interval,
-            "error": error,
+            "error": "; ".join(filter(None, [error, lock_error])) or None,
             "inventory": inv_doc,
             "queue": queue_doc,
             "history": self.history.chart(now),

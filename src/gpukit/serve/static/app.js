@@ -126,7 +126,7 @@ function render(state) {
   const gpus = inv ? inv.gpus : [];
   const claims = holders(queue, gpus);
   const line = Array.isArray(queue.waiters) ? queue.waiters : null;
-  const count = line ? line.length : queue.waiters;
+  const count = line ? line.length : (queue.waiters ?? "?");
   const when = new Date(state.taken_at * 1000).toLocaleTimeString();
   const waiters = count === 1 ? "1 waiter" : count + " waiters";
   document.getElementById("summary").textContent =
@@ -152,7 +152,7 @@ function holders(queue, gpus) {
     for (const h of queue.holders) {
       for (const index of h.gpus) if (index !== null) byIndex.set(index, h);
     }
-  } else {
+  } else if (queue.claims) {
     const byUuid = new Map(queue.claims.map((c) => [c.uuid, c]));
     for (const g of gpus) if (byUuid.has(g.uuid)) byIndex.set(g.index, byUuid.get(g.uuid));
   }
