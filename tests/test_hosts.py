@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpukit.errors import InvalidArgumentError
@@ -63,6 +63,7 @@ def test_nvidia_smi_csv_is_read_in_bytes_watts_and_percent() -> None:
     assert second.power_draw_w is None  # "[N/A]"
 
 
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30),
