@@ -159,3 +159,22 @@ def test_a_refused_lock_folder_leaves_claims_unknown_not_free(
     state = json.loads(sample.state_json)
     assert state["error"].startswith("Claims unknown: ")
     assert state["queue"]["claims"] is None
+
+
+def test_process_labels_are_cut_so_one_command_line_cannot_bloat_every_scrape(
+    serve_machine: Any,
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    long_command = "python train.py " + "--flag=value " * 40
+    served.edit(
+        2, processes=[{"pid": 7, "user": "u" * 100, "name": long_command, "used_memory": 5}]
+    )
+    m = _samples(served.sampler.sample().metrics)
+    [labels] = [
+        dict(labels)
+        for name, labels in m
+        if name == "gpukit_process_gpu_memory_bytes" and dict(labels)["gpu"] == "2"
+    ]
+    assert labels["command"] == long_command[:120]
+    assert labels["user"] == "u" * 64
+    assert labels["pid"] == "7"
