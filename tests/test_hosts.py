@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpukit.errors import InvalidArgumentError
+from gpukit.gpus.claims import claim
 from gpukit.gpus.hosts import (
     NVIDIA_SMI_FIELDS,
     hosts_json,
@@ -39,6 +41,17 @@ def test_a_host_with_gpukit_answers_with_its_inventory(hosts: FakeHosts) -> None
     assert reading.inventory.gpus[3].processes[0].user == "bob"
 
 
+def test_a_host_with_gpukit_reports_who_claimed_its_gpus(hosts: FakeHosts) -> None:
+    hosts.gpukit("gpu1", "server-8xA100-shared")
+    gpu4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"
+    with claim([gpu4], command="python sweep.py", folder=hosts.root / "gpu1" / "locks"):
+        [reading] = read_hosts(["gpu1"], timeout=60, ssh_command_text=hosts.ssh)
+    assert reading.claims[gpu4].command == "python sweep.py"
+    assert reading.claims[gpu4].pid == os.getpid()
+    claims = hosts_json([reading])["hosts"][0]["claims"]
+    assert claims[gpu4]["command"] == "python sweep.py"
+
+
 def test_a_host_without_gpukit_is_read_through_nvidia_smi(hosts: FakeHosts) -> None:
     hosts.nvidia_smi("t4box")
     [reading] = read_hosts(["t4box"], timeout=60, ssh_command_text=hosts.ssh)
@@ -61,6 +74,12 @@ def test_nvidia_smi_csv_is_read_in_bytes_watts_and_percent() -> None:
     assert first.power_draw_w == pytest.approx(27.35)
     assert first.power_limit_w == pytest.approx(70.0)
     assert second.power_draw_w is None  # "[N/A]"
+
+
+@pytest.mark.parametrize("missing", ["[N/A]", "[Not Supported]", "N/A", ""])
+def test_nvidia_smi_readings_it_cannot_give_become_none(missing: str) -> None:
+    line = f"0, GPU-x, Tesla T4, 00000000:00:04.0, 15360, 0, 15360, {missing}, 0, 40, 10, 70, 535"
+    assert parse_nvidia_smi_csv(line).gpus[0].utilization_gpu is None
 
 
 @settings(max_examples=100, deadline=None)
@@ -137,6 +156,9 @@ def test_hosts_json_has_an_inventory_or_an_error_per_host(hosts: FakeHosts) -> N
     assert doc["schema"] == "gpukit.hosts/1"
     first, second = doc["hosts"]
     assert first["host"] == "t4box"
+    assert first["via"] == "nvidia-smi"
+    assert first["claims"] == {}  # nvidia-smi knows nothing of claims
+    assert first["elapsed_s"] > 0
     assert Inventory.from_json(first["inventory"]).gpus[0].memory_total == 15360 * 2**20
     assert "error" not in first
     assert second["host"] == "nowhere"
