@@ -55,8 +55,21 @@ class FakeHosts:
         (self.root / host).mkdir(parents=True, exist_ok=True)
         (self.root / host / "refuse").touch()
 
-    def pid_of_hanging(self, host: str) -> int:
-        return int((self.root / host / "pid").read_text())
+    def live_processes(self) -> list[int]:
+        """Pids of the processes still running that these hosts started (found by the
+        FAKE_SSH_HOSTS their environment inherits), whenever they were killed."""
+        marker = f"FAKE_SSH_HOSTS={self.root}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if marker in environ.split(b"\0") and alive(int(entry.name)):
+                found.append(int(entry.name))
+        return found
 
 
 def alive(pid: int) -> bool:

@@ -23,7 +23,7 @@ from gpukit.gpus.hosts import (
 )
 from gpukit.gpus.inventory import Inventory
 
-from .hosts_fixture import NVIDIA_SMI_CSV, FakeHosts, alive
+from .hosts_fixture import NVIDIA_SMI_CSV, FakeHosts
 
 
 @pytest.fixture
@@ -131,13 +131,13 @@ def test_a_hanging_host_costs_the_timeout_and_leaves_no_process(hosts: FakeHosts
     hosts.hanging("dead")
     hosts.nvidia_smi("alive")
     start = time.monotonic()
-    dead, ok = read_hosts(["dead", "alive"], timeout=1, ssh_command_text=hosts.ssh)
+    dead, ok = read_hosts(["dead", "alive"], timeout=2, ssh_command_text=hosts.ssh)
     # The fake sleeps 600 s: returning at all, long before that, shows the timeout cut it.
     assert time.monotonic() - start < 60
-    assert dead.error == "unreachable: no answer within 1 s"
-    assert dead.elapsed_s >= 1
+    assert dead.error == "unreachable: no answer within 2 s"
+    assert dead.elapsed_s >= 2
     assert ok.inventory is not None
-    assert not alive(hosts.pid_of_hanging("dead"))
+    assert hosts.live_processes() == []
 
 
 def test_eight_hosts_are_read_at_once_in_order(hosts: FakeHosts) -> None:

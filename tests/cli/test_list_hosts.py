@@ -41,18 +41,19 @@ def test_list_hosts_shows_one_table_grouped_by_host(run_cli: CliRunner, hosts: F
 
 
 def test_list_hosts_json_follows_the_hosts_schema(run_cli: CliRunner, hosts: FakeHosts) -> None:
-    hosts.gpukit("gpu1", "kaggle-2xT4-idle")
+    hosts.nvidia_smi("t4box")
     hosts.hanging("dead")
     result = run_cli(
-        "list", "--hosts", "gpu1,dead", "--timeout", "1", "--json", "--ssh-command", hosts.ssh
+        "list", "--hosts", "t4box,dead", "--timeout", "2", "--json", "--ssh-command", hosts.ssh
     )
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["schema"] == "gpukit.hosts/1"
-    assert [h["host"] for h in doc["hosts"]] == ["gpu1", "dead"]
-    assert doc["hosts"][0]["via"] == "gpukit"
+    assert [h["host"] for h in doc["hosts"]] == ["t4box", "dead"]
+    assert doc["hosts"][0]["via"] == "nvidia-smi"
     assert len(doc["hosts"][0]["inventory"]["gpus"]) == 2
-    assert doc["hosts"][1]["error"] == "unreachable: no answer within 1 s"
+    assert doc["hosts"][1]["error"] == "unreachable: no answer within 2 s"
+    assert hosts.live_processes() == []
 
 
 def test_list_hosts_reads_the_ssh_command_from_gpukit_ssh(
