@@ -48,6 +48,7 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as locks:
         os.environ["GPUKIT_LOCK_DIR"] = locks
+        os.environ["LOGNAME"] = "frank"  # the claim's recorded user, like the fixture's users
         from playwright.sync_api import sync_playwright
 
         import gpukit as gk
