@@ -195,3 +195,69 @@ def test_find_batch_size_makes_every_process_agree_on_the_smallest_size(tmp_path
         results = manager.dict()
         mp.spawn(_worker, args=(str(tmp_path / "store"), limits, results), nprocs=2, join=True)
         assert dict(results) == {0: 123, 1: 123}
+
+
+# -- the decorator form --------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(limit=st.integers(1, 3000), start=st.integers(1, 64), extra=st.integers(0, 3000))
+def test_decorated_function_returns_its_own_result_at_exactly_the_largest_size(
+    limit: int, start: int, extra: int
+) -> None:
+    gpu = SimulatedGpu(limit)
+
+    @gk.find_batch_size(start=start, maximum=start + extra)
+    def train(batch_size: int, lr: float, *, tag: str) -> tuple[int, float, str]:
+        gpu(batch_size)
+        return batch_size, lr, tag
+
+    expected = min(limit, start + extra)
+    assert train(0.1, tag="run") == (expected, 0.1, "run")
+    assert train.batch_size == expected
+    assert gpu.tried[-1] == expected  # the result comes from a run at the size found
+
+
+def test_decorated_function_tries_the_same_sizes_as_the_plain_search() -> None:
+    plain, decorated = SimulatedGpu(48), SimulatedGpu(48)
+    gk.find_batch_size(plain, start=8, maximum=1024)
+
+    @gk.find_batch_size(start=8, maximum=1024)
+    def step(batch_size: int) -> None:
+        decorated(batch_size)
+
+    step()
+    assert decorated.tried == [*plain.tried, 48]
+    assert plain.tried == [8, 16, 32, 64, 48, 56, 52, 50, 49]
+
+
+def test_probe_results_are_dropped_before_the_next_try() -> None:
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    @gk.find_batch_size(start=4, maximum=64)
+    def make(batch_size: int) -> torch.Tensor:
+        held = sum(ref() is not None for ref in alive)
+        if batch_size > 16 or held:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        out = torch.zeros(batch_size)
+        alive.append(weakref.ref(out))
+        return out
+
+    assert make().shape == (16,)
+
+
+def test_decorator_refuses_bad_settings_at_once_and_a_non_function() -> None:
+    with pytest.raises(InvalidArgumentError, match="start"):
+        gk.find_batch_size(start=0, maximum=8)
+    with pytest.raises(InvalidArgumentError, match="decorates a function"):
+        gk.find_batch_size(maximum=8)(5)  # type: ignore[arg-type]
+
+
+def test_decorated_function_that_never_fits_raises_the_usual_error() -> None:
+    @gk.find_batch_size(start=4, maximum=64)
+    def step(batch_size: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with pytest.raises(MemoryProbeError, match="No batch size from 1 to 64"):
+        step()
+    assert step.batch_size is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,9 +16,11 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
 
 from gpukit import distributed as dist
-from gpukit.distributed.data import kept_mask, per_device_size
+from gpukit._tree import leaves_with_paths
+from gpukit.distributed.data import _batch_len, kept_mask, per_device_size
 from gpukit.distributed.env import read_env
 from gpukit.distributed.launcher import _failures
+from gpukit.distributed.process_group import _disagreement, _signature
 from gpukit.errors import DistributedError, InvalidArgumentError
 
 TORCHRUN = {
@@ -190,6 +194,39 @@ def test_kept_mask_keeps_every_sample_exactly_once_over_torchs_distributed_sampl
 def test_gather_for_metrics_in_one_process_returns_the_values_themselves() -> None:
     values = {"pred": torch.arange(3)}
     assert dist.gather_for_metrics(values) is values
+
+
+def test_batch_length_is_found_inside_namedtuples_and_dataclasses_too() -> None:
+    @dataclasses.dataclass
+    class Batch:
+        ids: list[str]
+        x: torch.Tensor
+
+    pair = collections.namedtuple("pair", ["empty", "y"])
+    assert _batch_len({"name": "b", "pair": pair(torch.zeros(0), torch.zeros(4, 2))}) == 4
+    assert _batch_len([Batch(["a"], torch.zeros(3, 1))]) == 3
+    assert _batch_len({"only": "text"}) == 0
+
+
+def _signatures(x: object) -> dict[tuple[object, ...], object]:
+    return {path: _signature(leaf) for path, leaf in leaves_with_paths(x, None)}
+
+
+def test_structures_that_agree_up_to_rows_and_key_order_are_not_a_disagreement() -> None:
+    rank0 = _signatures({"a": torch.zeros(3, 2), "b": [torch.zeros(())]})
+    rank1 = _signatures({"b": [torch.ones(())], "a": torch.ones(5, 2)})
+    assert _disagreement([rank0, rank1]) is None
+
+
+def test_a_disagreement_names_the_ranks_and_the_path() -> None:
+    rank0 = _signatures({"a": torch.zeros(3)})
+    rank1 = _signatures({"a": torch.zeros(3), "extra": [torch.zeros(1)]})
+    assert _disagreement([rank0, rank1]) == "rank 1 has x['extra'][0], which rank 0 does not"
+    wide = _signatures({"a": torch.zeros(3, 4)})
+    assert _disagreement([rank0, rank0, wide]) == (
+        "x['a'] is a torch.float32 tensor of shape (N) on rank 0 but a torch.float32 "
+        "tensor of shape (N, 4) on rank 2"
+    )
 
 
 def test_all_reduce_mean_of_a_number_in_one_process_is_that_number_as_float() -> None:

@@ -115,6 +115,21 @@ def test_gather_for_metrics_returns_each_sample_once_when_the_world_does_not_div
         assert rank["eval_ids"] == session["ranks"][0]["eval_ids"]  # every rank sees it all
 
 
+def test_gather_for_metrics_pairs_dict_entries_by_key_not_by_position(
+    session: dict[str, Any],
+) -> None:
+    for rank in session["ranks"]:
+        assert rank["gathered_by_key"] == {"a": [0, 10], "b": [1, 11]}
+
+
+def test_gather_for_metrics_refuses_on_every_rank_dicts_whose_keys_differ(
+    session: dict[str, Any],
+) -> None:
+    for rank in session["ranks"]:
+        assert "different structures" in rank["mismatch"]
+        assert "rank 0 has x['b'], which rank 1 does not" in rank["mismatch"]
+
+
 def test_launched_workers_are_gone_after_launch_returns(session: dict[str, Any]) -> None:
     _assert_all_gone([r["pid"] for r in session["ranks"]])
 

@@ -63,16 +63,22 @@ def test_check_devices_groups_parameters_and_inputs_by_device_when_they_agree() 
     groups = gk.check_devices(Encoder(), _batch())
     assert list(groups) == [CPU]
     assert "layers.2.norm.weight" in groups[CPU]
-    assert 'batch["mask"]' in groups[CPU]
+    assert "batch['mask']" in groups[CPU]
 
 
 def test_check_devices_names_the_input_on_the_wrong_device() -> None:
     batch = _batch()
     batch["mask"] = batch["mask"].to(META)
-    with pytest.raises(DeviceMismatchError, match=r'batch\["mask"\]') as info:
+    with pytest.raises(DeviceMismatchError, match=r"batch\['mask'\]") as info:
         gk.check_devices(Encoder(), batch)
     assert "gk.to_device" in str(info.value)
     assert "meta" in str(info.value)
+
+
+def test_check_devices_reads_past_an_input_that_contains_itself() -> None:
+    loop: list[object] = [torch.ones(1, device=META)]
+    loop.append(loop)
+    assert gk.check_devices(nn.Identity(), loop) == {META: ["input[0]"]}
 
 
 def test_check_devices_names_inputs_inside_namedtuples_and_lists() -> None:

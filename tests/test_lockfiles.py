@@ -7,6 +7,7 @@ import shutil
 import signal
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -200,3 +201,52 @@ def test_another_users_lock_file_is_used_when_it_is_shared(folder: Path) -> None
     fd = open_lock_file(folder, "GPU-a.lock", write=True, create=True)
     os.close(fd)
     assert path.stat().st_uid == NOBODY
+
+
+@as_root
+def test_a_lock_file_another_user_is_still_widening_is_opened_once_it_is_shared(
+    public_tmp: Path,
+) -> None:
+    folder = public_tmp / "locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    path = folder / "GPU-a.lock"
+    path.write_text("")
+    path.chmod(0o600)  # as its creator's umask left it, before the creator's fchmod
+    pid = os.fork()
+    if pid == 0:  # another user opens it while the creator is about to widen it
+        code = 1
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.close(open_lock_file(folder, "GPU-a.lock", write=True, create=True))
+            code = 0
+        finally:
+            os._exit(code)
+    time.sleep(0.01)
+    path.chmod(0o666)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@as_root
+def test_a_lock_file_another_user_keeps_private_is_refused_soon(public_tmp: Path) -> None:
+    folder = public_tmp / "locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    (folder / "GPU-a.lock").write_text("")
+    (folder / "GPU-a.lock").chmod(0o600)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            started = time.monotonic()
+            open_lock_file(folder, "GPU-a.lock", write=True, create=True)
+        except LockFolderError:
+            code = 0 if time.monotonic() - started < 5 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -85,3 +86,97 @@ def test_bad_seed_is_rejected(seed: object) -> None:
 def test_deterministic_with_benchmark_is_a_contradiction() -> None:
     with pytest.raises(InvalidArgumentError, match="autotuner"):
         gk.seed_everything(0, deterministic=True, benchmark=True)
+
+
+# -- the seed from the environment ---------------------------------------------------------------
+
+
+def test_no_seed_reads_gpukit_seed_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("GPUKIT_SEED", "123")
+    with caplog.at_level(logging.INFO, logger="gpukit.repro"):
+        settings = gk.seed_everything()
+    assert (settings.seed, settings.seed_source) == (123, "GPUKIT_SEED")
+    assert "seed 123 (from GPUKIT_SEED)" in caplog.text
+    drawn = _draw()
+    gk.seed_everything(123)
+    assert _draw() == drawn
+
+
+def test_no_seed_and_no_gpukit_seed_means_zero_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("GPUKIT_SEED", raising=False)
+    with caplog.at_level(logging.INFO, logger="gpukit.repro"):
+        settings = gk.seed_everything()
+    assert (settings.seed, settings.seed_source) == (0, "default")
+    assert "seed 0 (GPUKIT_SEED is not set)" in caplog.text
+
+
+def test_an_explicit_seed_wins_over_gpukit_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUKIT_SEED", "5")
+    settings = gk.seed_everything(9)
+    assert (settings.seed, settings.seed_source) == (9, "argument")
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", "-3", str(2**32)])
+def test_a_gpukit_seed_that_is_no_valid_seed_is_a_typed_error_naming_it(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("GPUKIT_SEED", value)
+    with pytest.raises(InvalidArgumentError, match="GPUKIT_SEED"):
+        gk.seed_everything()
+
+
+@pytest.mark.parametrize("switch", ["deterministic", "benchmark"])
+def test_switches_that_are_not_bools_are_refused(switch: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"{switch}='no'"):
+        gk.seed_everything(0, **{switch: "no"})  # type: ignore[arg-type]
+
+
+# -- DataLoader workers --------------------------------------------------------------------------
+
+
+class _Draws(torch.utils.data.Dataset[tuple[float, float, float]]):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def _worker_draws(seed: int) -> list[tuple[float, float, float]]:
+    loader = torch.utils.data.DataLoader(
+        _Draws(),
+        batch_size=None,
+        num_workers=2,
+        worker_init_fn=gk.seed_worker,
+        generator=torch.Generator().manual_seed(seed),
+        multiprocessing_context="fork",
+    )
+    return [tuple(float(v) for v in item) for item in loader]  # type: ignore[misc]
+
+
+@pytest.mark.slow
+def test_seed_worker_seeds_every_generator_from_the_workers_own_torch_seed() -> None:
+    # torch gives worker w the seed base + w, base drawn from the loader's generator.
+    base = int(
+        torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(3))
+    )
+    draws = _worker_draws(3)
+    for worker, got in enumerate(draws):  # item w comes from worker w (round robin)
+        seed = base + worker
+        folded = (seed ^ (seed >> 32)) & (2**32 - 1)
+        expected_torch = float(torch.rand(1, generator=torch.Generator().manual_seed(seed)))
+        assert got == (
+            random.Random(seed).random(),
+            float(np.random.RandomState(folded).rand()),
+            expected_torch,
+        )
+    assert draws[0][1] != draws[1][1]
+
+
+def test_seed_worker_outside_a_worker_is_a_typed_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="outside a DataLoader worker"):
+        gk.seed_worker(0)

@@ -32,7 +32,7 @@ CRITERIA = [
     {"max_util": 10},
     {"max_processes": 1},
     {"min_free": "4GiB", "max_util": 50, "max_processes": 1},
-    {"exclude": [0, 2]},
+    {"exclude": [0]},
 ]
 
 

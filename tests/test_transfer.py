@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict, defaultdict, namedtuple
 from typing import Any
 
@@ -138,9 +139,10 @@ def test_bad_skip_entry_is_rejected() -> None:
         gk.to_device({}, "cpu", skip=[1.5])
 
 
-def test_bad_non_blocking_is_rejected() -> None:
+@pytest.mark.parametrize("value", ["yes", 1, 0, None])
+def test_non_blocking_that_is_not_a_bool_or_auto_is_rejected(value: object) -> None:
     with pytest.raises(InvalidArgumentError, match="non_blocking"):
-        gk.to_device({}, "cpu", non_blocking="yes")  # type: ignore[arg-type]
+        gk.to_device({}, "cpu", non_blocking=value)  # type: ignore[arg-type]
 
 
 def test_bad_device_is_a_device_error() -> None:
@@ -218,3 +220,65 @@ def test_moving_preserves_structure_types_values_and_leaf_identity(data: Any) ->
 @given(structures)
 def test_moving_to_the_current_device_returns_the_same_object(data: Any) -> None:
     assert gk.to_device(data, "cpu") is data
+
+
+# -- data never lost, bad input typed ------------------------------------------------------------
+
+
+class MovesInPlace:
+    """A user type whose .to() moves its tensor in place and, wrongly, returns None."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> None:
+        self.t = self.t.to(device)
+
+
+def test_object_whose_to_returns_none_is_kept_not_replaced_by_none() -> None:
+    obj = MovesInPlace(torch.ones(1))
+    moved = gk.to_device({"obj": obj}, META)
+    assert moved["obj"] is obj
+    assert obj.t.device == META
+
+
+def test_copied_dataclass_drops_cached_values_computed_on_the_old_device() -> None:
+    @dataclasses.dataclass
+    class WithCache:
+        x: torch.Tensor
+
+        @functools.cached_property
+        def doubled(self) -> torch.Tensor:
+            return self.x * 2
+
+    batch = WithCache(torch.ones(2))
+    assert batch.doubled.device.type == "cpu"
+    moved = gk.to_device(batch, META)
+    assert moved.doubled.device == META
+
+
+def test_a_batch_that_contains_itself_is_a_typed_error_not_a_recursion_error() -> None:
+    batch: dict[str, Any] = {"x": torch.ones(1)}
+    batch["self"] = batch
+    with pytest.raises(InvalidArgumentError, match=r"data\['self'\] is the same container"):
+        gk.to_device(batch, META)
+    with pytest.raises(InvalidArgumentError, match="contains itself"):
+        gk.to_device(batch, META, skip=["labels"])
+
+
+@pytest.mark.parametrize("skip", [5.5, None, object()])
+def test_skip_that_is_no_key_or_collection_of_keys_is_a_typed_error(skip: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="skip="):
+        gk.to_device({"x": torch.ones(1)}, META, skip=skip)
+
+
+def test_skip_of_one_int_key_leaves_that_position() -> None:
+    keep = torch.ones(1)
+    moved = gk.to_device([torch.ones(1), keep], META, skip=1)  # type: ignore[arg-type]
+    assert moved[0].device == META
+    assert moved[1] is keep
+
+
+def test_pin_that_is_not_a_bool_is_a_typed_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="pin="):
+        gk.to_device(torch.ones(1), "cpu", pin="no")  # type: ignore[arg-type]

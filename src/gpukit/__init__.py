@@ -45,8 +45,10 @@ _EXPORTS: dict[str, str] = {
     "system_info": "gpukit.sysinfo",
     # transfer
     "to_device": "gpukit.transfer",
+    "tree_map": "gpukit._tree",
     # repro
     "seed_everything": "gpukit.repro",
+    "seed_worker": "gpukit.repro",
     # visible devices
     "visible_devices": "gpukit.gpus.visible",
     "set_visible_devices": "gpukit.gpus.visible",
@@ -56,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "Inventory": "gpukit.gpus.inventory",
     "pick": "gpukit.gpus.select",
     "claim": "gpukit.gpus.select",
+    "acquire": "gpukit.gpus.acquire",
     # parallel
     "DataParallel": "gpukit.parallel.data_parallel",
     # checkpoints
@@ -78,12 +81,14 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = {"parallel", "distributed", "errors"}
 
 if TYPE_CHECKING:
+    from gpukit._tree import tree_map as tree_map
     from gpukit.devices import device as device
     from gpukit.devices import module_device as module_device
     from gpukit.devices import placement as placement
     from gpukit.devices import try_all_gpus as try_all_gpus
     from gpukit.devices import try_gpu as try_gpu
     from gpukit.repro import seed_everything as seed_everything
+    from gpukit.repro import seed_worker as seed_worker
     from gpukit.sysinfo import system_info as system_info
     from gpukit.transfer import to_device as to_device
 

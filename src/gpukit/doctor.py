@@ -16,10 +16,9 @@ turn off the fast path that ``nn.Module.__call__`` takes when no hooks exist.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from gpukit import _tree
 from gpukit.errors import DeviceMismatchError, InvalidArgumentError
 
 __all__ = ["check_devices", "explain_device_errors", "is_device_mismatch"]
@@ -45,7 +45,6 @@ _MISMATCH_MESSAGES = (
     "Expected tensor for argument",
 )
 _CALL_CODES = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
-_MAX_DEPTH = 32
 
 
 def is_device_mismatch(exc: BaseException) -> bool:
@@ -57,28 +56,15 @@ def is_device_mismatch(exc: BaseException) -> bool:
 
 
 # -- collecting tensors -------------------------------------------------------------------------
-def _key(k: object) -> str:
-    return f'["{k}"]' if isinstance(k, str) else f"[{k!r}]"
-
-
-def _walk(obj: object, path: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a nesting of dicts, lists, tuples, namedtuples and dataclasses."""
-    if depth > _MAX_DEPTH:
+def _walk(obj: object, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in ``obj`` (any nesting gk.to_device walks), named from ``name`` down."""
+    try:
+        for path, tensor in _tree.leaves_with_paths(obj, torch.Tensor):
+            yield _tree.format_path(path, name, obj), tensor
+    except InvalidArgumentError:
+        # A structure that contains itself: what was found before the loop is reported, and
+        # the diagnosis goes on rather than fail on something it was not asked about.
         return
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _walk(v, path + _key(k), depth + 1)
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        for name in obj._fields:
-            yield from _walk(getattr(obj, name), f"{path}.{name}", depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}[{i}]", depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _walk(getattr(obj, f.name), f"{path}.{f.name}", depth + 1)
 
 
 def _named_inputs(

@@ -155,3 +155,15 @@ class WorkerFailedError(DistributedError):
 
 class MemoryProbeError(GpukitError, RuntimeError):
     """The batch-size finder found no size that fits, or memory readings failed."""
+
+
+class UserLimitError(NoGpuAvailableError):
+    """A claim refused because it would take a user past a limit of the lock folder's policy."""
+
+
+class PolicyError(LockFolderError):
+    """The administrator's policy file (``policy.toml`` in the lock folder) cannot be used.
+
+    Unsafe (writable by users other than the administrator) or malformed: gpukit refuses to
+    guess what limits were meant, so nothing is claimed until it is fixed.
+    """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import dataclass, field
@@ -13,7 +14,11 @@ import torch
 from gpukit.devices import cuda_initialized
 from gpukit.errors import InvalidArgumentError
 
-__all__ = ["ReproSettings", "seed_everything"]
+__all__ = ["SEED_VAR", "ReproSettings", "seed_everything", "seed_worker"]
+
+log = logging.getLogger("gpukit.repro")
+
+SEED_VAR = "GPUKIT_SEED"  # the seed of seed_everything() when it is given none
 
 # cuBLAS needs a fixed workspace to give deterministic results on CUDA >= 10.2; PyTorch raises
 # at run time under use_deterministic_algorithms(True) when this is missing.
@@ -49,6 +54,10 @@ class ReproSettings:
     _numpy_state: Any = field(repr=False)
     _torch_state: torch.Tensor = field(repr=False)
     _cuda_states: list[torch.Tensor] | None = field(repr=False)
+    seed: int | None = None
+    """The seed :func:`seed_everything` then set (None for a bare :meth:`capture`)."""
+    seed_source: str = ""
+    """Where that seed came from: ``"argument"``, ``"GPUKIT_SEED"`` or ``"default"``."""
 
     @classmethod
     def capture(cls) -> ReproSettings:
@@ -98,10 +107,28 @@ class ReproSettings:
         self.restore()
 
 
+def _seed_from_env() -> tuple[int, str]:
+    raw = os.environ.get(SEED_VAR)
+    if raw is None or not raw.strip():
+        return 0, "default"
+    try:
+        return int(raw.strip(), 10), SEED_VAR
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{SEED_VAR}={raw!r} is not a whole number, so it cannot seed the run.",
+            hint=f"Set {SEED_VAR} to an integer from 0 to {_MAX_SEED}, or unset it to use 0.",
+        ) from None
+
+
 def seed_everything(
-    seed: int, *, deterministic: bool = False, benchmark: bool | None = None
+    seed: int | None = None, *, deterministic: bool = False, benchmark: bool | None = None
 ) -> ReproSettings:
     """Seed Python, NumPy (if installed) and torch on every device; optionally go deterministic.
+
+    Without ``seed``, the seed is read from the ``GPUKIT_SEED`` environment variable, or is 0
+    when that is unset; the returned settings say which (``.seed``, ``.seed_source``), and the
+    choice is logged on the ``gpukit.repro`` logger, so a run launched with ``GPUKIT_SEED=7``
+    records what it used.
 
     ``deterministic=True`` turns on ``torch.use_deterministic_algorithms`` (ops without a
     deterministic implementation then raise), sets ``cudnn.deterministic``, turns cuDNN's
@@ -110,14 +137,28 @@ def seed_everything(
     deterministic, else unchanged).
 
     Returns the previous settings; used as a context manager, they come back when the block ends.
+
+    >>> seed_everything(1234).seed
+    1234
     """
+    source = "argument"
+    if seed is None:
+        seed, source = _seed_from_env()
+        where = f"from {SEED_VAR}" if source == SEED_VAR else f"{SEED_VAR} is not set"
+        log.info("seed_everything: seed %d (%s)", seed, where)
+    for name, switch in (("deterministic", deterministic), ("benchmark", benchmark)):
+        if not isinstance(switch, bool) and not (name == "benchmark" and switch is None):
+            raise InvalidArgumentError(
+                f"{name}={switch!r} is not a bool.", hint=f"Pass {name}=True or {name}=False."
+            )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InvalidArgumentError(
             f"seed={seed!r} is not an integer.", hint="Pass a whole number such as 0 or 1234."
         )
     if not 0 <= seed <= _MAX_SEED:
+        origin = f" (from {SEED_VAR})" if source == SEED_VAR else ""
         raise InvalidArgumentError(
-            f"seed={seed} is outside 0..{_MAX_SEED}, the range every generator accepts.",
+            f"seed={seed}{origin} is outside 0..{_MAX_SEED}, the range every generator accepts.",
             hint="Pass a seed in that range, for example seed % 2**32.",
         )
     if benchmark is not None and deterministic and benchmark:
@@ -127,6 +168,7 @@ def seed_everything(
             hint="Leave benchmark unset (it is turned off) or pass deterministic=False.",
         )
     previous = ReproSettings.capture()
+    previous.seed, previous.seed_source = seed, source
     random.seed(seed)
     np = _numpy()
     if np is not None:
@@ -140,3 +182,31 @@ def seed_everything(
     if benchmark is not None:
         torch.backends.cudnn.benchmark = benchmark
     return previous
+
+
+def seed_worker(worker_id: int) -> None:
+    """Give each DataLoader worker its own stream in Python's ``random``, NumPy and torch.
+
+    Pass it as ``DataLoader(..., worker_init_fn=gk.seed_worker)``. Every worker's generators are
+    seeded from the seed torch gave that worker (``torch.initial_seed()``: the loader's base
+    seed, drawn from the main process's generator each epoch, plus the worker id), so workers
+    never repeat each other's random augmentations, a new epoch draws new ones, and a run
+    seeded with :func:`seed_everything` draws the same ones again. Called outside a worker it
+    raises :class:`~gpukit.errors.InvalidArgumentError`.
+    """
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None:
+        raise InvalidArgumentError(
+            f"seed_worker({worker_id!r}) was called outside a DataLoader worker process.",
+            hint="Pass it to the loader instead: DataLoader(..., num_workers=N, "
+            "worker_init_fn=gk.seed_worker).",
+        )
+    worker_seed = torch.initial_seed()  # base seed + worker id, 64 bits
+    # NumPy's legacy seeding takes 32 bits: fold the high half in rather than drop it.
+    folded = (worker_seed ^ (worker_seed >> 32)) & _MAX_SEED
+    random.seed(worker_seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(folded)
+    torch.manual_seed(worker_seed)

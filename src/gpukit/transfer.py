@@ -1,179 +1,52 @@
 """Move any nesting of tensors to a device: ``gk.to_device``.
 
-The walk is the hot path of every training loop that feeds a GPU, so it dispatches on the exact
-type first (dict, list, tuple, Tensor) and only falls back to ``isinstance`` checks for
-subclasses, dataclasses and objects with a ``.to`` method. Containers are rebuilt only when
-something inside them moved; otherwise the very same object comes back.
+The walk is :mod:`gpukit._tree`'s, so ``to_device`` accepts exactly the containers that
+``tree_map``, scatter and gather do; this module adds only what a move means for each leaf.
+Containers are rebuilt only when something inside them moved; otherwise the very same object
+comes back.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
 
+from gpukit import _tree
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
 from gpukit.errors import InvalidArgumentError
 
 T = TypeVar("T")
-KeyPath = tuple[Any, ...]
+KeyPath = _tree.KeyPath
 
 __all__ = ["to_device"]
 
 
-class _Walker:
-    """Rebuild a nested structure, handing each tensor to :meth:`tensor`.
-
-    Containers (dict and other mappings, list, tuple, namedtuple, dataclass) are walked and
-    rebuilt only when something inside changed; every other object goes to :meth:`opaque`.
-    ``to_device`` moves tensors with it; ``gk.parallel.scatter`` splits them.
-    """
-
-    __slots__ = ("_skip_names", "_skip_paths")
-
-    def __init__(
-        self, skip_names: frozenset[Any] = frozenset(), skip_paths: frozenset[KeyPath] = frozenset()
-    ) -> None:
-        self._skip_names = skip_names
-        self._skip_paths = skip_paths
-
-    # -- leaves: what subclasses change ---------------------------------------------------
-    def tensor(self, t: torch.Tensor, path: KeyPath | None) -> Any:
-        raise NotImplementedError
-
-    def opaque(self, obj: Any) -> Any:
-        """A leaf that is neither a tensor nor a container: kept as it is."""
-        return obj
-
-    def other(self, obj: Any, path: KeyPath | None) -> Any:
-        if isinstance(obj, torch.Tensor):  # Parameter and other subclasses
-            return self.tensor(obj, path)
-        if isinstance(obj, Mapping):
-            return self.mapping(obj, path)
-        if isinstance(obj, tuple):
-            return self.tuple_(obj, path)
-        if isinstance(obj, list):
-            return self.list_(obj, path)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return self.dataclass(obj, path)
-        return self.opaque(obj)
-
-    # -- walking --------------------------------------------------------------------------
-    def _skipped(self, key: Any, path: KeyPath | None) -> bool:
-        if key in self._skip_names:
-            return True
-        return path is not None and path in self._skip_paths
-
-    def walk(self, obj: Any, path: KeyPath | None) -> Any:
-        kind = type(obj)
-        if kind is _Tensor:
-            return self.tensor(obj, path)
-        if kind is dict:
-            return self.mapping(obj, path)
-        if kind is list:
-            return self.list_(obj, path)
-        if kind is tuple:
-            return self.tuple_(obj, path)
-        if kind in _LEAVES:
-            return obj
-        return self.other(obj, path)
-
-    def _child(self, value: Any, key: Any, path: KeyPath | None) -> Any:
-        if path is None:  # no skip rules: the fast path
-            return self.walk(value, None)
-        sub = (*path, key)
-        if self._skipped(key, sub):
-            return value
-        return self.walk(value, sub)
-
-    def mapping(self, obj: Mapping[Any, Any], path: KeyPath | None) -> Any:
-        changed: dict[Any, Any] = {}
-        walk = self.walk
-        for key, value in obj.items():
-            moved = walk(value, None) if path is None else self._child(value, key, path)
-            if moved is not value:
-                changed[key] = moved
-        if not changed:
-            return obj
-        if type(obj) is dict:
-            return {key: changed.get(key, value) for key, value in obj.items()}
-        if isinstance(obj, dict):
-            # A shallow copy keeps the subclass, defaultdict's factory and OrderedDict's order.
-            new = copy.copy(obj)
-            new.update(changed)
-            return new
-        rebuilt = {key: changed.get(key, value) for key, value in obj.items()}
-        return type(obj)(rebuilt)  # type: ignore[call-arg]
-
-    def _items(self, obj: Iterable[Any], path: KeyPath | None) -> list[Any] | None:
-        if path is None:
-            walk = self.walk
-            out = [walk(value, None) for value in obj]
-        else:
-            out = [self._child(value, i, path) for i, value in enumerate(obj)]
-        if all(new is old for new, old in zip(out, obj, strict=True)):
-            return None
-        return out
-
-    def list_(self, obj: list[Any], path: KeyPath | None) -> Any:
-        out = self._items(obj, path)
-        if out is None:
-            return obj
-        return out if type(obj) is list else type(obj)(out)
-
-    def tuple_(self, obj: tuple[Any, ...], path: KeyPath | None) -> Any:
-        if hasattr(obj, "_fields"):  # namedtuple: children are named by field
-            values = [self._child(getattr(obj, field), field, path) for field in obj._fields]
-            if all(new is old for new, old in zip(values, obj, strict=True)):
-                return obj
-            return type(obj)(*values)
-        out = self._items(obj, path)
-        if out is None:
-            return obj
-        return tuple(out) if type(obj) is tuple else type(obj)(out)
-
-    def dataclass(self, obj: Any, path: KeyPath | None) -> Any:
-        changed = {}
-        for name in _field_names(type(obj)):  # type: ignore[arg-type]
-            value = getattr(obj, name)
-            moved = self._child(value, name, path)
-            if moved is not value:
-                changed[name] = moved
-        if not changed:
-            return obj
-        # copy + object.__setattr__ works for frozen dataclasses and init=False fields alike.
-        new = copy.copy(obj)
-        for name, value in changed.items():
-            object.__setattr__(new, name, value)
-        return new
-
-
-class _Mover(_Walker):
-    """One ``to_device`` call: its settings, and how it moves a tensor or a module."""
+class _Mover:
+    """One ``to_device`` call: its settings, and how it moves a tensor or another leaf."""
 
     __slots__ = ("_nb", "_pin", "_target", "_target_is_cuda")
 
     def __init__(
-        self,
-        target: torch.device,
-        non_blocking: bool | Literal["auto"],
-        pin: bool,
-        skip_names: frozenset[Any],
-        skip_paths: frozenset[KeyPath],
+        self, target: torch.device, non_blocking: bool | Literal["auto"], pin: bool
     ) -> None:
-        super().__init__(skip_names, skip_paths)
         self._target = target
         self._target_is_cuda = target.type == "cuda"
         self._nb = non_blocking
         self._pin = pin and self._target_is_cuda
 
-    def tensor(self, t: torch.Tensor, path: KeyPath | None) -> torch.Tensor:
+    def leaf(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The function applied to each tensor: a quick "already there?" test, then a move."""
+        target, move = self._target, self.move
+        if target.type == "cpu":
+            # is_cpu is a flag read; t.device builds a torch.device object on every call.
+            return lambda t: t if t.is_cpu else move(t)
+        return lambda t: t if t.device == target else move(t)
+
+    def move(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == self._target:
             return t
         if self._pin and t.device.type == "cpu" and not t.is_pinned():
@@ -188,32 +61,29 @@ class _Mover(_Walker):
         return t.to(self._target, non_blocking=nb)
 
     def opaque(self, obj: Any) -> Any:
+        """A leaf that is not a tensor: a module moves in place; an object with ``.to`` moves."""
         if isinstance(obj, nn.Module):
             return obj.to(self._target)
         to = getattr(obj, "to", None)
-        if callable(to) and not isinstance(obj, type):
-            try:
-                return to(self._target, non_blocking=self._nb is True)
-            except TypeError:  # a .to() that takes only the device
-                return to(self._target)
-        return obj
+        if not callable(to) or isinstance(obj, type):
+            return obj
+        try:
+            moved = to(self._target, non_blocking=self._nb is True)
+        except TypeError:  # a .to() that takes only the device
+            moved = to(self._target)
+        # A .to() that moves in place and returns None (as nn.Module.to once could) must not
+        # turn the object into None: the object itself is what it moved.
+        return obj if moved is None else moved
 
 
-@functools.cache
-def _field_names(kind: type) -> tuple[str, ...]:
-    # dataclasses.fields() rebuilds its tuple on every call; a batch holds many of one type.
-    return tuple(field.name for field in dataclasses.fields(kind))
-
-
-_Tensor = torch.Tensor  # a module-level name is found faster than torch.Tensor in the hot loop
-_LEAVES: frozenset[type] = frozenset(
-    {str, bytes, int, float, bool, complex, type(None), torch.device, torch.dtype, range, slice}
-)
-
-
-def _parse_skip(skip: Iterable[Any]) -> tuple[frozenset[Any], frozenset[KeyPath]]:
-    if isinstance(skip, (str, bytes)):
+def _parse_skip(skip: object) -> tuple[frozenset[Any], frozenset[KeyPath]]:
+    if isinstance(skip, (str, bytes, int)) and not isinstance(skip, bool):
         skip = (skip,)
+    if not isinstance(skip, Iterable):
+        raise InvalidArgumentError(
+            f"skip={skip!r} is not a key, a key path, or a collection of them.",
+            hint='Pass e.g. skip="labels", skip=["labels", "meta.ids"] or skip=[("batch", 0)].',
+        )
     names: set[Any] = set()
     paths: set[KeyPath] = set()
     for entry in skip:
@@ -221,7 +91,7 @@ def _parse_skip(skip: Iterable[Any]) -> tuple[frozenset[Any], frozenset[KeyPath]
             paths.add(entry)
         elif isinstance(entry, str) and "." in entry:
             paths.add(tuple(int(p) if p.isdigit() else p for p in entry.split(".")))
-        elif isinstance(entry, (str, int)):
+        elif isinstance(entry, (str, int)) and not isinstance(entry, bool):
             names.add(entry)
         else:
             raise InvalidArgumentError(
@@ -229,6 +99,18 @@ def _parse_skip(skip: Iterable[Any]) -> tuple[frozenset[Any], frozenset[KeyPath]
                 hint='Use "labels" (a key at any depth), "batch.meta.ids" or ("batch", 0).',
             )
     return frozenset(names), frozenset(paths)
+
+
+def mover(
+    device: torch.device, *, non_blocking: bool | Literal["auto"] = "auto"
+) -> Callable[[Any], Any]:
+    """A function that moves any nesting to ``device`` (parsed already), for per-step callers.
+
+    Calling it raises ``RecursionError`` on a cyclic structure; ``to_device`` turns that into a
+    typed error.
+    """
+    moving = _Mover(device, non_blocking, False)
+    return _tree.mapper(moving.leaf(), torch.Tensor, moving.opaque)
 
 
 def to_device(
@@ -245,24 +127,40 @@ def to_device(
     their type and factory), list, tuple, namedtuple, dataclass (frozen too) and objects with a
     ``.to`` method. Other leaves (str, numbers, None...) are kept as they are. Tensors already on
     ``device``, and containers in which nothing moved, come back as the very same objects.
-    Modules are moved in place and returned.
+    Modules are moved in place and returned; so is an object whose ``.to()`` returns None.
+    A dataclass that is copied loses the values its ``functools.cached_property`` attributes
+    had computed, so they are computed again from the moved fields.
 
     ``non_blocking="auto"`` copies asynchronously only from pinned host memory to a GPU, where
     that is both safe and useful; ``pin=True`` pins host tensors first when the target is a GPU.
     ``skip`` leaves alone every value under a key named like an entry (``"labels"``), or at a
     key path from the top (``"meta.ids"`` or ``("meta", "ids")``; list positions are ints).
+    A structure that contains itself raises :class:`~gpukit.errors.InvalidArgumentError`.
 
     >>> import torch
     >>> batch = {"x": torch.ones(2), "ids": [1, 2], "name": "a"}
     >>> to_device(batch, "cpu") is batch
     True
     """
-    if non_blocking not in (True, False, "auto"):
+    if not (isinstance(non_blocking, bool) or non_blocking == "auto"):
         raise InvalidArgumentError(
             f"non_blocking={non_blocking!r} is not understood.", hint='Use True, False or "auto".'
         )
+    if not isinstance(pin, bool):
+        raise InvalidArgumentError(
+            f"pin={pin!r} is not a bool.", hint="Pass pin=True or pin=False."
+        )
     target = _parse_device(device)
     names, paths = _parse_skip(skip)
-    mover = _Mover(target, non_blocking, pin, names, paths)
-    walked: T = mover.walk(obj, () if (names or paths) else None)
-    return walked
+    moving = _Mover(target, non_blocking, pin)
+    if not (names or paths):
+        walked: T = _tree.guarded(_tree.mapper(moving.leaf(), torch.Tensor, moving.opaque), obj)
+        return walked
+
+    def kept(path: KeyPath) -> bool:
+        return path[-1] in names or path in paths
+
+    tensor_leaf = moving.leaf()
+    return _tree.map_with_paths(  # type: ignore[no-any-return]
+        obj, lambda _, t: tensor_leaf(t), torch.Tensor, keep=kept, opaque=moving.opaque
+    )

@@ -185,12 +185,13 @@ def test_run_timeout_exits_124_and_leaves_no_claim_behind(run_cli: CliRunner, lo
 def test_run_wait_starts_the_command_once_a_gpu_is_released(locks: Path) -> None:
     held = claim(_l4_uuids(), folder=locks)
     proc = _spawn(locks, "run", "--wait", *FAST, "--", *_py("print('ran')"))
-    _until(lambda: any((locks / "queue").glob("*.ticket")))  # it has joined the line
-    assert proc.poll() is None  # and waits there
+    assert proc.stderr is not None
+    seen = [proc.stderr.readline() for _ in range(2)]  # the fake machine, then the wait
+    assert "waiting for 1 GPU" in seen[1]  # plain lines in a log, not a live line
+    assert proc.poll() is None  # still waiting
     held.release()
-    out, err = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=30)
     assert (proc.returncode, out) == (0, "ran\n")
-    assert "waiting for 1 GPU" in err  # plain lines in a log, not a live line
 
 
 def test_kill_9_of_a_running_gpukit_frees_its_gpu_at_once_for_the_next_waiter(
@@ -365,3 +366,136 @@ def test_the_wait_status_in_a_log_is_a_plain_line_per_change(
         "gpukit run: 0 of 4 qualify",
         "gpukit run: 1 of 4 qualify",
     ]
+
+
+def test_run_wait_for_more_gpus_than_nvml_can_read_fails_at_once_with_4(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    env = dict(_env(locks, MACHINES / "kaggle-2xT4-one-lost.json"))
+    done = run_cli("run", "-n", "2", "--wait", "--", "true", env=env, timeout=60)
+    assert done.returncode == 4, done.stderr
+    assert "GPU 1: unreadable by NVML" in done.stderr
+    assert "Waiting cannot help: only 1 could ever qualify" in done.stderr
+
+
+@pytest.mark.parametrize("exclude", ["7", "²", "GPU-ffff", "0,9"])
+@pytest.mark.parametrize("command", ["run", "pick"])
+def test_an_exclusion_the_machine_does_not_have_is_a_usage_error(
+    run_cli: CliRunner, locks: Path, exclude: str, command: str
+) -> None:
+    tail = ["--wait", "--", "true"] if command == "run" else []
+    done = run_cli(command, "--exclude", exclude, *tail, env=dict(_env(locks)), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "Cannot exclude" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert current_claims(locks) == {}
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-2"])
+@pytest.mark.parametrize("wait", [(), ("--wait",), ("--poll", "1")], ids=["now", "wait", "poll"])
+def test_run_refuses_a_poll_interval_variable_that_is_not_seconds_in_one_line(
+    run_cli: CliRunner, locks: Path, value: str, wait: tuple[str, ...]
+) -> None:
+    env = {**_env(locks), "GPUKIT_POLL_INTERVAL": value}
+    done = run_cli("run", *wait, "--", "true", env=dict(env), timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "fake machine" not in line]
+    assert len(lines) == 1, done.stderr
+    assert "GPUKIT_POLL_INTERVAL" in lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_run_warns_about_a_policy_file_a_co_user_wrote_and_applies_no_limit(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    locks.mkdir(mode=0o1777)
+    policy = locks / "policy.toml"
+    policy.write_text("[limits]\nmax_gpus_per_user = 0\n")
+    os.chown(policy, 65534, 65534)
+    done = run_cli("run", "-n", "2", "--", "true", env=dict(_env(locks)))
+    assert done.returncode == 0, done.stderr
+    assert "warning:" in done.stderr
+    assert "it is not a policy and sets no limit" in done.stderr
+
+
+def test_run_past_the_users_limit_exits_4_naming_the_limit(run_cli: CliRunner, locks: Path) -> None:
+    locks.mkdir(mode=0o1777)
+    (locks / "policy.toml").write_text("[limits]\nmax_gpus_per_user = 1\n")
+    done = run_cli("run", "-n", "2", "--wait", "--", "true", env=dict(_env(locks)))
+    assert done.returncode == 4, done.stderr
+    assert "allows 1 per user (max_gpus_per_user)" in done.stderr
+    assert "Waiting cannot help" in done.stderr
+
+
+_FORGER = (
+    "import fcntl, json, os, sys\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "record = json.loads(sys.argv[2]); record['pid'] = os.getpid()\n"
+    "os.write(fd, json.dumps(record).encode())\n"
+    "print('locked', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_forged_early_ticket_made_after_an_honest_waiter_does_not_delay_it(
+    locks: Path,
+) -> None:
+    import json
+
+    from gpukit.gpus.lockfiles import owner_name
+
+    uuids = _l4_uuids()
+    others = claim(uuids[1:], folder=locks)
+    held = claim(uuids[:1], folder=locks)
+    waiter = _spawn(locks, "run", "--wait", *FAST, "--", *_py("print('served')"))
+    _until(lambda: len(list((locks / "queue").glob("*.ticket"))) == 1)
+    record = {
+        "schema": "gpukit.ticket/1",
+        "user": owner_name(os.getuid()),
+        "uid": os.getuid(),
+        "n": 1,
+        "criteria": "",
+        "command": "jump",
+        "since": 0.0,
+    }
+    forged = locks / "queue" / "00000000000000000000-1-ffffffff.ticket"
+    forger = subprocess.Popen(
+        [sys.executable, "-c", _FORGER, str(forged), json.dumps(record)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert forger.stdout is not None
+        assert forger.stdout.readline() == "locked\n"
+        held.release()
+        out, err = waiter.communicate(timeout=30)
+        assert (waiter.returncode, out) == (0, "served\n"), err
+        assert forger.poll() is None  # served while the forged ticket was still held
+    finally:
+        forger.kill()
+        forger.wait()
+        others.release()
+
+
+def test_a_fifo_among_tickets_never_blocks_a_waiter_and_its_timeout_holds(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    (locks / "queue").mkdir(parents=True)
+    os.mkfifo(locks / "queue" / "00000000000000000000-1-ffffffff.ticket")
+    with claim(_l4_uuids(), folder=locks):
+        done = run_cli(
+            "run",
+            "--wait",
+            "--timeout",
+            "0.5",
+            *FAST,
+            "--",
+            "true",
+            env=dict(_env(locks)),
+            timeout=30,
+        )
+    assert done.returncode == 124, done.stderr
+    done = run_cli("run", "--wait", *FAST, "--", "true", env=dict(_env(locks)), timeout=30)
+    assert done.returncode == 0, done.stderr

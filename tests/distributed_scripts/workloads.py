@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpukit import distributed as dist
+from gpukit.errors import DistributedError
 
 SAMPLES = 32
 GLOBAL_BATCH = 8
@@ -59,6 +60,26 @@ def evaluate_ids() -> list[int]:
     return seen
 
 
+def gather_dict_built_in_rank_order() -> dict[str, list[int]]:
+    """Each rank builds {"a": [10r], "b": [10r + 1]}, rank 1 with its keys in the other order."""
+    r = dist.rank()
+    items = [("a", torch.tensor([10 * r])), ("b", torch.tensor([10 * r + 1]))]
+    values = dict(items if r == 0 else items[::-1])
+    gathered = dist.gather_for_metrics(values)
+    return {key: gathered[key].tolist() for key in sorted(gathered)}
+
+
+def gather_dicts_with_different_keys() -> str:
+    """Rank 0 passes keys a and b, rank 1 a and c: every rank gets the error, none hangs."""
+    keys = ["a", "b"] if dist.rank() == 0 else ["a", "c"]
+    try:
+        dist.gather_for_metrics({key: torch.zeros(1) for key in keys})
+    except DistributedError as exc:
+        dist.barrier()  # the group still works afterwards
+        return str(exc)
+    return "no error"
+
+
 def session(_: Any = None) -> dict[str, Any]:
     """Everything one launched process reports back to the test."""
     ctx = dist.init()
@@ -72,6 +93,8 @@ def session(_: Any = None) -> dict[str, Any]:
         "mean_of_ranks": dist.all_reduce_mean(float(dist.rank())),
         "weights": train(),
         "eval_ids": evaluate_ids(),
+        "gathered_by_key": gather_dict_built_in_rank_order(),
+        "mismatch": gather_dicts_with_different_keys(),
         "pid": os.getpid(),
     }
 

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpukit._tree import leaves_with_paths
 from gpukit.errors import InvalidArgumentError, ScatterError
 from gpukit.parallel import chunk_sizes, scatter
-from gpukit.parallel._nested import tensors_with_paths
 
 from ._structures import Frozen, Pair, batches, same_structure
 
@@ -106,8 +106,8 @@ def test_scatter_chunks_concatenate_back_to_every_tensor(
 ) -> None:
     batch = data.draw(batches(size))
     parts = scatter(batch, ["cpu"] * devices)
-    originals = tensors_with_paths(batch)
-    chunked = [tensors_with_paths(part) for part in parts]
+    originals = list(leaves_with_paths(batch))
+    chunked = [list(leaves_with_paths(part)) for part in parts]
     for position, (path, tensor) in enumerate(originals):
         assert all(c[position][0] == path for c in chunked)
         assert torch.equal(torch.cat([c[position][1] for c in chunked]), tensor)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from gpukit import __version__
+from gpukit import __version__, _tree
 from gpukit.checkpoint.io import SAFETENSORS, atomic_write, read, suffix_format
 from gpukit.checkpoint.keys import (
     clean_keys,
@@ -99,14 +99,8 @@ def _prepare(obj: object) -> _Prepared:
 
 
 def _devices(obj: object, found: set[str]) -> set[str]:
-    if isinstance(obj, torch.Tensor):
-        found.add(str(obj.device))
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            _devices(value, found)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _devices(value, found)
+    """Add the device of every tensor in ``obj`` (any nesting tree_map walks) to ``found``."""
+    found.update(str(t.device) for _, t in _tree.leaves_with_paths(obj, torch.Tensor))
     return found
 
 

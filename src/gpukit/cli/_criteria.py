@@ -37,18 +37,27 @@ def add_criteria(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def excluded(args: argparse.Namespace) -> list[int | str]:
+    """The ``--exclude`` entries: ASCII digits as indices, anything else as a UUID (prefix).
+
+    Nothing is dropped: an entry that names no GPU is refused later, against the machine.
+    """
+    entries: list[int | str] = []
+    for item in ",".join(args.exclude).split(","):
+        item = item.strip()
+        if item:
+            # str.isdigit() is also true of "²" and other digits int() cannot read.
+            entries.append(int(item) if item.isascii() and item.isdigit() else item)
+    return entries
+
+
 def criteria_from(args: argparse.Namespace) -> Criteria:
     """The Criteria the options ask for."""
     if args.gpus < 1:
         raise InvalidArgumentError(f"-n {args.gpus} asks for no GPU.", hint="Use -n 1 or more.")
-    exclude: list[int | str] = []
-    for item in ",".join(args.exclude).split(","):
-        item = item.strip()
-        if item:
-            exclude.append(int(item) if item.isdigit() else item)
     return Criteria.make(
         min_free=args.min_free,
         max_util=args.max_util,
         max_processes=args.max_processes,
-        exclude=exclude,
+        exclude=excluded(args),
     )

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("gpukit.cli.list_gpus", "one line per GPU with its memory, load and users"),
     "pick": ("gpukit.cli.pick", "print the indices of free GPUs that meet the criteria"),
     "run": ("gpukit.cli.run", "pick, claim and wait for GPUs, then run a command on them"),
+    "queue": ("gpukit.cli.queue", "who holds which GPU, who waits and why, unclaimed and idle use"),
+    "usage": ("gpukit.cli.usage", "GPU-hours, runs and longest run per user, from the ledger"),
     "serve": ("gpukit.cli.serve", "serve the GPUs as Prometheus metrics and a live web page"),
     "ckpt": ("gpukit.cli.ckpt", "inspect and repair checkpoints"),
     "demo": ("gpukit.cli.demo", "train a small network on bundled digits over every device"),

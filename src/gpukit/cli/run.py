@@ -4,8 +4,8 @@
 
 The command runs with ``CUDA_VISIBLE_DEVICES`` set to the chosen GPUs' nvidia-smi indices and
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so CUDA's numbering matches nvidia-smi's). gpukit stays its
-parent and holds the claims until it exits, forwards SIGINT/SIGTERM/SIGHUP sent to gpukit, and
-returns its exit status (128+N when a signal N killed it).
+parent and holds the claims until it exits, passes every signal on to it exactly once (see
+:mod:`gpukit.cli._launch`), and returns its exit status (128+N when a signal N killed it).
 
 The claims belong to gpukit alone: the lock descriptors are close-on-exec, so the command does
 not inherit them. Were it to inherit them, a command outliving gpukit (gpukit killed with
@@ -21,22 +21,18 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from gpukit.cli._criteria import add_criteria, criteria_from
+from gpukit.cli._criteria import add_criteria, criteria_from, excluded
+from gpukit.cli._launch import launch
 from gpukit.cli._output import print_error, say_if_fake
-from gpukit.errors import ClaimError, GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.gpus.claims import Claim, claim, current_claims
-from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.select import Criteria, choose
-from gpukit.gpus.waiting import wait_and_claim
+from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
+from gpukit.gpus.acquire import POLL_VAR, acquire, poll_interval
+from gpukit.gpus.inventory import inventory
+from gpukit.gpus.policy import load_policy
 
-POLL_VAR = "GPUKIT_POLL_INTERVAL"
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PYTHONS = ("python", "python3")
 
 
@@ -62,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     waiting.add_argument(
         "--poll",
         type=float,
-        default=float(os.environ.get(POLL_VAR, "2")),
+        default=None,
         metavar="S",
         help=f"seconds between polls (2, or ${POLL_VAR})",
     )
@@ -129,79 +125,16 @@ class _Status:
             print(f"gpukit run: {text}", file=sys.stderr, flush=True)
         self.last = text
 
-    def done(self, text: str) -> None:
+    def clear(self) -> None:
+        """Wipe the live line (before an error is printed)."""
         if self.live and self.last:
             sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.last = ""
+
+    def done(self, text: str) -> None:
+        self.clear()
         print(f"gpukit run: {text}", file=sys.stderr, flush=True)
-
-
-def _die_with_parent() -> Callable[[], None]:
-    """A function for the child, run between fork and exec: unblock signals, follow gpukit."""
-    parent = os.getpid()
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            prctl = None
-
-    def setup() -> None:
-        # The blocked-signal mask survives exec: gpukit blocks the forwarded signals to read
-        # them synchronously, and the command must receive them as usual.
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        if prctl is not None:
-            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: told to stop when gpukit dies
-            if os.getppid() != parent:  # gpukit died before the line above took effect
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return setup
-
-
-def launch(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Run ``argv`` to its end as gpukit's child, forwarding signals; return its exit status.
-
-    A signal a terminal sends (Ctrl-C, hang-up) already reaches the whole foreground process
-    group, the command included, so it is not forwarded twice; a signal sent to gpukit alone
-    (``kill``, a scheduler) is.
-    """
-    waited = {*_FORWARDED, signal.SIGCHLD}
-    synchronous = hasattr(signal, "sigtimedwait")
-    if synchronous:
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
-    try:
-        proc = subprocess.Popen(list(argv), env=env, preexec_fn=_die_with_parent())
-    except OSError as exc:  # not found, not executable (chmod), a folder, not a program
-        if synchronous:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        if isinstance(exc, FileNotFoundError):
-            raise InvalidArgumentError(
-                f"Cannot run {argv[0]!r}: no such program.", hint="Check the command after `--`."
-            ) from exc
-        raise InvalidArgumentError(
-            f"Cannot run {argv[0]!r}: {exc.strerror or exc}.",
-            hint="Check the command after `--`: make the file executable (chmod +x) or run it "
-            "with its interpreter, e.g. `-- python train.py`.",
-        ) from exc
-    if not synchronous:  # platforms without sigtimedwait: forward everything we receive
-        for signum in _FORWARDED:
-            signal.signal(signum, lambda s, _f: proc.send_signal(s))
-        return _status(proc.wait())
-    try:
-        while True:
-            info = signal.sigtimedwait(waited, 0.25)
-            if info is not None and info.si_signo != signal.SIGCHLD and info.si_pid != 0:
-                proc.send_signal(info.si_signo)
-            code = proc.poll()
-            if code is not None:
-                return _status(code)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-
-def _status(code: int) -> int:
-    return 128 - code if code < 0 else code
 
 
 def _cpu_only(args: argparse.Namespace, cmd: list[str], reason: NoDriverError) -> int:
@@ -218,10 +151,12 @@ def _cpu_only(args: argparse.Namespace, cmd: list[str], reason: NoDriverError) -
 def run(args: argparse.Namespace) -> int:
     """Pick, claim (waiting if asked), run the command, return its exit status."""
     cmd = _command(args)
-    criteria = criteria_from(args)
-    if args.settle < 1 or args.poll <= 0:
+    criteria_from(args)  # the options' own mistakes, before anything is read
+    configured = poll_interval()  # a bad $GPUKIT_POLL_INTERVAL is refused by every run
+    poll = configured if args.poll is None else args.poll
+    if args.settle < 1 or not poll > 0 or poll == float("inf"):
         raise InvalidArgumentError(
-            f"--settle {args.settle} --poll {args.poll}: both must be positive.",
+            f"--settle {args.settle} --poll {poll}: both must be positive numbers.",
             hint="Use e.g. --settle 3 --poll 2.",
         )
     if args.timeout is not None and not args.timeout >= 0:  # also refuses nan
@@ -231,44 +166,41 @@ def run(args: argparse.Namespace) -> int:
         )
     say_if_fake("run")
     try:
-        inv = inventory()
+        first = [inventory()]
     except NoDriverError as exc:
         if args.cpu_ok:
             return _cpu_only(args, cmd, exc)
         raise
-    label = shlex.join(cmd)
-    held: Claim
+    ignored = load_policy().ignored
+    if ignored:  # a co-user's policy.toml: not a policy, but the administrator may want to know
+        print(f"gpukit run: warning: {ignored}", file=sys.stderr)
+    waits = args.wait or args.timeout is not None
+    status = _Status()
     try:
-        if args.wait or args.timeout is not None:
-            status = _Status()
-            held = wait_and_claim(
-                args.gpus,
-                criteria,
-                order=args.order,
-                timeout=args.timeout,
-                settle=args.settle,
-                poll=args.poll,
-                command=label,
-                on_status=status,
-            )
-            status.done(f"claimed GPU {','.join(map(str, held.indices))}.")
-        else:
-            held = _claim_now(args, criteria, inv, label)
+        held = acquire(
+            args.gpus,
+            min_free=args.min_free,
+            max_util=args.max_util,
+            max_processes=args.max_processes,
+            exclude=excluded(args),
+            order=args.order,
+            wait=waits,
+            timeout=args.timeout,
+            poll=poll,
+            settle=args.settle,
+            command=shlex.join(cmd),
+            on_status=status,
+            read=lambda: first.pop() if first else inventory(),
+        )
     except GpukitError as exc:
+        if waits:
+            status.clear()
         return print_error("run", exc)
+    if waits:
+        status.done(f"claimed GPU {','.join(map(str, held.indices))}.")
     with held:
         visible = ",".join(str(i) for i in held.indices)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        return launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
-
-
-def _claim_now(args: argparse.Namespace, criteria: Criteria, inv: Inventory, label: str) -> Claim:
-    # Another process may claim a GPU between reading the claims and locking: read again.
-    for attempt in range(3):
-        gpus = choose(inv, args.gpus, criteria, order=args.order, claims=current_claims())
-        try:
-            return claim(gpus, command=label)
-        except ClaimError:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+        code = launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
+        held.release(exit_code=code)  # the ledger records how the command ended
+        return code

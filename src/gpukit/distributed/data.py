@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from gpukit import _tree
 from gpukit.errors import InvalidArgumentError
 from gpukit.transfer import to_device
 
@@ -184,17 +185,9 @@ class DistributedLoader:
 
 
 def _batch_len(batch: Any) -> int:
-    """Number of samples in a collated batch: the leading size of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        values: Any = list(batch.values())
-    elif isinstance(batch, (list, tuple)):
-        values = batch
-    else:
-        return 0
-    for value in values:
-        size = _batch_len(value)
+    """Number of samples in a collated batch: the leading size of its first non-empty tensor."""
+    for _, tensor in _tree.leaves_with_paths(batch, torch.Tensor):
+        size = int(tensor.shape[0]) if tensor.dim() else 1
         if size:
             return size
     return 0

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from gpukit import _tree
 from gpukit.devices import device as _auto_device
 from gpukit.distributed.data import DistributedLoader, active_loader, per_device_size
 from gpukit.distributed.env import LaunchEnv, read_env
@@ -254,38 +255,103 @@ def _gather_tensor(t: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, lengths, strict=True)]).to(origin)
 
 
-def _gather_nested(x: Any, ctx: DistributedContext, keep: list[bool] | None) -> Any:
-    if isinstance(x, torch.Tensor):
-        gathered = _gather_tensor(x, ctx)
-        if keep is None or x.dim() == 0:
-            return gathered
-        if gathered.shape[0] != len(keep):
-            loader = active_loader()
-            raise DistributedError(
-                f"gather_for_metrics() got a tensor of {x.shape[0]} rows during a batch of "
-                f"{loader.current_len if loader else '?'} samples, so it cannot tell which "
-                "rows the sampler repeated.",
-                hint="Gather per-sample values (one row per sample of the batch), or use "
-                "all_reduce_mean for per-batch numbers.",
+Signature = tuple[str, tuple[int, ...] | None]
+
+
+def _signature(leaf: Any) -> Signature:
+    """What every rank must agree on for one leaf: a tensor's dtype and shape after dim 0."""
+    if not isinstance(leaf, torch.Tensor):
+        return type(leaf).__name__, None
+    return str(leaf.dtype), (-1, *leaf.shape[1:]) if leaf.dim() else ()
+
+
+def _describe(signature: Signature) -> str:
+    kind, shape = signature
+    if shape is None:
+        return f"a {kind}"
+    if not shape:
+        return f"a 0-dim {kind} tensor"
+    dims = ", ".join(["N", *map(str, shape[1:])])  # any number of rows
+    return f"a {kind} tensor of shape ({dims})"
+
+
+def _disagreement(shapes: list[dict[_tree.KeyPath, Signature]]) -> str | None:
+    """How the ranks' structures differ, naming ranks and paths; None when they agree."""
+    paths = [set(s) for s in shapes]
+    everywhere = set.intersection(*paths)
+    for rank, own in enumerate(paths):
+        extra = sorted(own - everywhere, key=repr)
+        if extra:
+            lacking = [r for r, other in enumerate(paths) if extra[0] not in other]
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            return (
+                f"rank {rank} has {_tree.format_path(extra[0], 'x')}{more}, which rank "
+                f"{lacking[0]} does not"
             )
-        return gathered[torch.tensor(keep, device=gathered.device)]
-    if isinstance(x, Mapping):
-        return type(x)({k: _gather_nested(v, ctx, keep) for k, v in x.items()})  # type: ignore[call-arg]
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-        return type(x)(_gather_nested(v, ctx, keep) for v in x)
-    raise DistributedError(
-        f"gather_for_metrics() cannot gather a {type(x).__name__}.",
-        hint="Pass a tensor, or a dict, list or tuple of tensors.",
-    )
+    for path in shapes[0]:
+        seen = [s[path] for s in shapes]
+        odd = next((r for r, sig in enumerate(seen) if sig != seen[0]), None)
+        if odd is not None:
+            return (
+                f"{_tree.format_path(path, 'x')} is {_describe(seen[0])} on rank 0 but "
+                f"{_describe(seen[odd])} on rank {odd}"
+            )
+    return None
+
+
+def _gather_leaf(t: torch.Tensor, ctx: DistributedContext, keep: list[bool] | None) -> Any:
+    gathered = _gather_tensor(t, ctx)
+    if keep is None or t.dim() == 0:
+        return gathered
+    if gathered.shape[0] != len(keep):
+        loader = active_loader()
+        raise DistributedError(
+            f"gather_for_metrics() got a tensor of {t.shape[0]} rows during a batch of "
+            f"{loader.current_len if loader else '?'} samples, so it cannot tell which "
+            "rows the sampler repeated.",
+            hint="Gather per-sample values (one row per sample of the batch), or use "
+            "all_reduce_mean for per-batch numbers.",
+        )
+    return gathered[torch.tensor(keep, device=gathered.device)]
+
+
+def _gather_nested(x: Any, ctx: DistributedContext, keep: list[bool] | None) -> Any:
+    leaves = dict(_tree.leaves_with_paths(x, None))
+    signature = {path: _signature(leaf) for path, leaf in leaves.items()}
+    # Every rank learns every rank's structure first: tensors are then paired by key path,
+    # never by position, and a mismatch is an error on every rank instead of a hang or a
+    # silently wrong pairing.
+    shapes: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(shapes, signature)
+    problem = _disagreement(shapes)
+    if problem is not None:
+        raise DistributedError(
+            f"gather_for_metrics() was given different structures by the processes: {problem}.",
+            hint="Pass the same keys, lengths and tensor shapes (but the number of rows) on "
+            "every rank.",
+        )
+    for path, (kind, shape) in shapes[0].items():
+        if shape is None:  # the same on every rank, as checked above
+            raise DistributedError(
+                f"gather_for_metrics() cannot gather {_tree.format_path(path, 'x')}, a {kind}.",
+                hint="Pass tensors, or dicts, lists, tuples, namedtuples or dataclasses of "
+                "them; turn numbers into tensors first (torch.tensor(value)).",
+            )
+    gathered = {path: _gather_leaf(leaves[path], ctx, keep) for path in shapes[0]}
+    return _tree.map_with_paths(x, lambda path, _: gathered[path], torch.Tensor)
 
 
 def gather_for_metrics(x: T) -> T:
     """All-gather per-sample values from every process, dropping the sampler's repeats.
 
-    ``x`` is a tensor (or a dict/list/tuple of them) with one row per sample of the current
-    batch of a loader from :func:`prepare`. DistributedSampler repeats a few samples so that
-    every process gets as many; those rows are removed here, so a metric over the gathered
-    values counts each sample of the dataset exactly once. Outside such a loop it gathers
+    ``x`` is a tensor, or any nesting of them that ``gk.tree_map`` walks (dicts are paired
+    by key, so ranks may build them in any order), with one row per sample of the current
+    batch of a loader from :func:`prepare`. Ranks that pass different keys, lengths or tensor
+    shapes get a :class:`~gpukit.errors.DistributedError` naming the ranks and the path.
+
+    DistributedSampler repeats a few samples so that every process gets as many; those rows
+    are removed here, so a metric over the gathered values counts each sample of the dataset
+    exactly once. Outside such a loop it gathers
     everything, concatenated in rank order.
     """
     ctx = _ready()

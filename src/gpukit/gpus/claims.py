@@ -30,11 +30,12 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpukit.errors import (
     ClaimError,
@@ -42,6 +43,7 @@ from gpukit.errors import (
     LockFolderError,
     UnsafeLockFileError,
 )
+from gpukit.gpus import ledger
 from gpukit.gpus.lockdir import LOCK_DIR_VAR, lock_dir
 from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder
 
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LOCK_DIR_VAR", "Claim", "Holder", "claim", "current_claims", "holder_of", "lock_dir"]
 
+_T = TypeVar("_T")
 # A reader probing a lock holds it (shared) for microseconds; a claimer that meets such a probe
 # tries again before concluding that the GPU is taken.
 _CLAIM_TRIES = 5
@@ -254,6 +257,7 @@ class Claim:
         self.gpus = gpus
         self.folder = folder
         self._fds = fds
+        self._ledger_id: str | None = None
 
     @property
     def uuids(self) -> list[str]:
@@ -270,8 +274,14 @@ class Claim:
         """True until released."""
         return bool(self._fds)
 
-    def release(self) -> None:
-        """Give the GPUs back. Safe to call twice."""
+    def release(self, exit_code: int | None = None) -> None:
+        """Give the GPUs back. Safe to call twice.
+
+        ``exit_code``: the status of what ran on them, for the ledger (``gpukit usage``).
+        """
+        if self._ledger_id is not None:
+            claim_id, self._ledger_id = self._ledger_id, None
+            _ledger_call(ledger.record_end, claim_id, exit_code=exit_code)
         while self._fds:
             _, fd = self._fds.popitem()
             with contextlib.suppress(OSError):
@@ -358,4 +368,24 @@ def claim(
             hint="Pick other GPUs (`gpukit pick` skips claimed ones), or wait with "
             "`gpukit run --wait`.",
         )
-    return Claim(items, fds, folder)
+    held = Claim(items, fds, folder)
+    facts = json.loads(record)
+    held._ledger_id = _ledger_call(
+        ledger.record_start,
+        uuids,
+        indices=held.indices,
+        command=facts["command"],
+        since=facts["since"],
+        folder=folder,
+    )
+    return held
+
+
+def _ledger_call(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
+    # The ledger is accounting: a claim holds even when it cannot be recorded (a full disk, a
+    # co-user squatting this user's ledger names), and says so.
+    try:
+        return fn(*args, **kwargs)
+    except ledger.LedgerError as exc:
+        warnings.warn(f"{exc} The claim is not in the ledger.", RuntimeWarning, stacklevel=3)
+        return None

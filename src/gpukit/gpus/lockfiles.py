@@ -42,6 +42,7 @@ import errno
 import os
 import pwd
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +61,9 @@ _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A hostile user who creates and deletes a lock file in a loop must not keep us looping.
 _CREATE_TRIES = 100
+# A new lock file is private until its creator widens its mode: how long to wait for that.
+_WIDEN_TRIES = 10
+_WIDEN_WAIT_S = 0.005
 
 
 def owner_name(uid: int) -> str:
@@ -257,6 +261,7 @@ def _open_in(
     dir_fd: int, path: Path, name: str, write: bool, create: bool, exclusive: bool, mode: int
 ) -> int:
     flags = _FILE_FLAGS | (os.O_RDWR if write else os.O_RDONLY)
+    denied = 0
     for _ in range(_CREATE_TRIES):
         try:
             if not exclusive:
@@ -266,6 +271,14 @@ def _open_in(
                 except FileNotFoundError:
                     if not create:
                         raise
+                except PermissionError:
+                    # A file another user has just created keeps its umask's mode until its
+                    # fchmod below: look again a moment later before calling it refused.
+                    denied += 1
+                    if denied > _WIDEN_TRIES:
+                        raise
+                    time.sleep(_WIDEN_WAIT_S)
+                    continue
             fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
             try:
                 os.fchmod(fd, mode)  # the umask took some bits away

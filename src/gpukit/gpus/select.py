@@ -19,14 +19,16 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from gpukit.errors import InvalidArgumentError, NoGpuAvailableError
+from gpukit.errors import InvalidArgumentError, NoGpuAvailableError, UserLimitError
 from gpukit.gpus.claims import Claim, Holder, claim, current_claims
 from gpukit.gpus.inventory import GPU, Inventory
+from gpukit.gpus.policy import Policy, holdings, load_policy
 
 __all__ = [
     "Claim",
@@ -34,6 +36,7 @@ __all__ = [
     "Verdict",
     "assess",
     "best_first",
+    "check_user_limit",
     "choose",
     "claim",
     "current_claims",
@@ -172,18 +175,50 @@ class Criteria:
 
     def excludes(self, gpu: GPU) -> bool:
         """True when ``gpu`` is excluded by index, UUID, or a prefix of its UUID."""
-        return any(
-            (isinstance(e, int) and e == gpu.index)
-            or (isinstance(e, str) and (e == str(gpu.index) or (e and gpu.uuid.startswith(e))))
-            for e in self.exclude
-        )
+        return any(_names(e, gpu) for e in self.exclude)
+
+    def check_exclude(self, inv: Inventory) -> None:
+        """Raise InvalidArgumentError for an excluded GPU that ``inv`` does not have.
+
+        A typo in ``exclude`` must not hand out the very GPU the user meant to keep free, so
+        every entry must name exactly one GPU of the machine: an index, a UUID, or a prefix
+        of one UUID.
+        """
+        for entry in self.exclude:
+            matches = [g.index for g in inv.gpus if _names(entry, g)]
+            if len(matches) == 1:
+                continue
+            have = ", ".join(f"{g.index} ({g.uuid})" for g in inv.gpus) or "none"
+            what = (
+                f"is a prefix of the UUIDs of GPUs {', '.join(map(str, matches))}"
+                if matches
+                else "names no GPU of this machine"
+            )
+            raise InvalidArgumentError(
+                f"Cannot exclude {entry!r}: it {what}. The machine has GPUs {have}.",
+                hint="Exclude GPUs by their `gpukit list` index or their UUID (a prefix is "
+                "enough when it names one GPU).",
+            )
 
     def could_ever_qualify(self, gpu: GPU) -> bool:
-        """True unless ``gpu`` fails for a reason that waiting cannot change."""
-        if self.excludes(gpu) or gpu.mig_mode:
+        """True unless ``gpu`` fails for a reason that waiting cannot change.
+
+        A GPU NVML cannot read (fallen off the bus, "GPU is lost") needs a reset or a reboot:
+        waiting for it would be forever.
+        """
+        if self.excludes(gpu) or gpu.mig_mode or gpu.error is not None:
             return False
         total = gpu.memory_total
         return self.min_free is None or total is None or total >= self.min_free
+
+
+def _names(entry: int | str, gpu: GPU) -> bool:
+    """True when the ``exclude`` entry ``entry`` names ``gpu``."""
+    if isinstance(entry, int):
+        return entry == gpu.index
+    return entry == str(gpu.index) or (
+        bool(entry) and bool(gpu.uuid) and gpu.uuid.startswith(entry)
+    )
 
 
 @dataclass(frozen=True)
@@ -272,6 +307,7 @@ def choose(
         )
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InvalidArgumentError(f"Cannot pick {n!r} GPUs.", hint="Ask for 1 or more, as an int.")
+    criteria.check_exclude(inv)
     verdicts = assess(inv, criteria, claims)
     good = best_first((v.gpu for v in verdicts if v.ok), order)
     if len(good) >= n:
@@ -328,7 +364,10 @@ def pick(
     many processes may already hold memory on it (default 0, or no limit when ``min_free`` is
     given); ``exclude``: NVML indices or UUIDs; ``order``: ``"free"``, ``"util"`` or ``"index"``.
     GPUs claimed by other gpukit processes never qualify. ``inventory`` and ``claims`` default to
-    the machine's readings now. Raises NoGpuAvailableError explaining each rejection.
+    the machine's readings now; when ``claims`` is read here, the lock folder's policy
+    (:mod:`gpukit.gpus.policy`) applies too. Raises NoGpuAvailableError explaining each
+    rejection (UserLimitError when the user already holds their share), and
+    InvalidArgumentError when ``exclude`` names a GPU the machine does not have.
 
     >>> gpus = pick(2, min_free="20GiB")                  # doctest: +SKIP
     >>> with claim(gpus): ...                             # doctest: +SKIP
@@ -340,6 +379,27 @@ def pick(
         from gpukit.gpus.inventory import inventory as read_inventory
 
         inventory = read_inventory()
-    if claims is None:
-        claims = current_claims()
-    return choose(inventory, n, criteria, order=order, claims=claims)
+    if claims is not None:
+        return choose(inventory, n, criteria, order=order, claims=claims)
+    gpus = choose(inventory, n, criteria, order=order, claims=current_claims())
+    check_user_limit(n)
+    return gpus
+
+
+def check_user_limit(n: int, policy: Policy | None = None) -> None:
+    """Raise UserLimitError when this user may not take ``n`` more GPUs under ``policy``.
+
+    ``policy`` defaults to the lock folder's (:func:`~gpukit.gpus.policy.load_policy`).
+    """
+    policy = load_policy() if policy is None else policy
+    if policy.limits.max_gpus_per_user is None:
+        return
+    held = holdings()
+    if policy.refusal(os.getuid(), n, held) is not None:
+        raise UserLimitError(
+            policy.explain(os.getuid(), n, held),
+            hint="Release a claim, ask for fewer GPUs, or wait for your own claims to end "
+            "with `gpukit run --wait`."
+            if policy.could_ever_allow(n)
+            else "Waiting cannot help: ask for fewer GPUs, or ask the administrator.",
+        )

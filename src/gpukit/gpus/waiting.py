@@ -1,81 +1,134 @@
-"""Waiting for GPUs: a first-come first-served line of waiters, and the poll loop.
+"""Waiting for GPUs: a first-come first-served line of waiters that no co-user can jump or jam.
 
-Each waiter holds a ticket in ``<lock folder>/queue``: a file named by its arrival time and
-locked (flock) for as long as the waiter lives. Only the first live ticket may claim GPUs, so
-waiters are served in arrival order. A waiter that dies (even by SIGKILL) loses its lock with
-its life, and the others skip its ticket at once: a dead waiter never blocks the line.
+How the line is read, and why no co-user can jump or jam it: :mod:`gpukit.gpus.line`.
+
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import sys
 import time
 import uuid as uuid_module
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from gpukit.errors import ClaimError, NoGpuAvailableError, WaitTimeoutError
+from gpukit.errors import (
+    ClaimError,
+    NoGpuAvailableError,
+    UserLimitError,
+    WaitTimeoutError,
+)
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir, shared_dir
 from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.line import (
+    _SUFFIX,
+    _TICKET_MODE,
+    QUEUE,
+    TICKET_SCHEMA,
+    Foreign,
+    Line,
+    Waiter,
+    _read,
+    read_line,
+)
+from gpukit.gpus.lockfiles import open_folder, open_lock_file
+from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.gpus.policy import Limits, Policy, holdings
 from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
 
-_TICKET = ".ticket"
-
-
-def _alive(path: Path) -> bool:
-    """True while the waiter that made the ticket at ``path`` lives (holds its lock)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    with contextlib.suppress(OSError):  # only its owner may remove it from the sticky folder
-        path.unlink()
-    return False
+__all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
 
 
 class Ticket:
-    """This process's place in the line of waiters; :meth:`close` leaves the line."""
+    """This process's place in the line of waiters; :meth:`close` leaves the line.
 
-    def __init__(self, folder: Path | None = None) -> None:
-        self.queue = shared_dir(shared_dir(lock_dir() if folder is None else folder) / "queue")
-        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_TICKET}"
-        # Locked before it gets its visible name, so that no one ever sees it unlocked and
-        # takes it for the ticket of a dead waiter.
-        hidden = self.queue / f".{name}"
-        self._fd: int | None = os.open(
-            hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
-        )
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+    ``n``, ``criteria`` and ``command`` are recorded in the ticket for ``gpukit queue``.
+    """
+
+    def __init__(
+        self,
+        folder: Path | None = None,
+        *,
+        n: int = 1,
+        criteria: str = "",
+        command: str | None = None,
+    ) -> None:
+        self.queue = shared_dir(shared_dir(lock_dir() if folder is None else Path(folder)) / QUEUE)
+        self._dir: int | None = open_folder(self.queue)
+        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
+        uid = os.getuid()
+        record = {
+            "schema": TICKET_SCHEMA,
+            "pid": os.getpid(),
+            "user": user_name(uid),
+            "uid": uid,
+            "n": n,
+            "criteria": criteria,
+            "command": command if command is not None else " ".join(sys.argv),
+            "since": time.time(),
+        }
+        # Locked and written before it gets its visible name, so that no one ever sees it
+        # unlocked or empty and takes it for an abandoned or forged ticket. Created private:
+        # a co-user who opened it first could hold a shared lock on it and block ours forever.
+        hidden = f".{name}"
+        self._fd: int | None = None
+        try:
+            self._fd = open_lock_file(
+                self.queue,
+                hidden,
+                dir_fd=self._dir,
+                write=True,
+                create=True,
+                exclusive=True,
+                mode=0o600,
+            )
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(self._fd, json.dumps(record).encode())
+            os.fchmod(self._fd, _TICKET_MODE)
+            os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except BaseException:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(hidden, dir_fd=self._dir)
+            self.close()
+            raise
+        self.name = name
         self.path = self.queue / name
-        os.rename(hidden, self.path)
+        # The key others order this ticket by, read once it has its name (the rename set it).
+        self.arrived_ns = os.fstat(self._fd).st_ctime_ns
+
+    def line(self) -> Line:
+        """The line as it stands now; tidies away this user's tickets whose waiters died."""
+        if self._dir is None:
+            return Line()
+        return _read(self._dir, self.queue, tidy=True)
+
+    def waiters_ahead(self, line: Line) -> list[Waiter]:
+        """The waiters of ``line`` that arrived before this one."""
+        mine = (self.arrived_ns, self.name)
+        return [w for w in line.waiters if (w.arrived_ns, w.ticket) < mine]
 
     def ahead(self) -> int:
         """How many live waiters arrived before this one."""
-        try:
-            names = os.listdir(self.queue)
-        except OSError:
-            return 0
-        earlier = sorted(
-            n for n in names if n.endswith(_TICKET) and not n.startswith(".") and n < self.path.name
-        )
-        return sum(_alive(self.queue / n) for n in earlier)
+        return len(self.waiters_ahead(self.line()))
 
     def close(self) -> None:
         """Leave the line. Safe to call twice."""
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+            if self._dir is not None and hasattr(self, "name"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.name, dir_fd=self._dir)
             os.close(self._fd)
             self._fd = None
+        if self._dir is not None:
+            os.close(self._dir)
+            self._dir = None
 
     def __enter__(self) -> Ticket:
         return self
@@ -98,32 +151,57 @@ def wait_and_claim(
     settle: int = 1,
     poll: float = 2.0,
     command: str | None = None,
+    policy: Policy | None = None,
+    folder: Path | None = None,
     on_status: Callable[[str], None] = lambda text: None,
     read: Callable[[], Inventory] = inventory,
 ) -> Claim:
     """Wait in line until ``n`` GPUs qualify for ``settle`` polls in a row, then claim them.
 
     Raises NoGpuAvailableError at once when fewer than ``n`` GPUs could ever qualify (waiting
-    would be forever), and WaitTimeoutError after ``timeout`` seconds.
+    would be forever), UserLimitError when ``policy`` never lets one user hold ``n``, and
+    WaitTimeoutError after ``timeout`` seconds. Waiters ahead that ``policy`` does not let
+    claim now (their user is at the limit) do not hold this one up; nor does it hold up others
+    while its own user is at the limit.
     """
+    policy = policy or Policy()
+    folder = lock_dir() if folder is None else Path(folder)
     inv = read()
     if sum(criteria.could_ever_qualify(g) for g in inv.gpus) < n:
-        raise no_gpu_error(inv, n, criteria, assess(inv, criteria, current_claims()))
+        raise no_gpu_error(inv, n, criteria, assess(inv, criteria, current_claims(folder)))
+    uid = os.getuid()
+    if not policy.could_ever_allow(n):
+        raise UserLimitError(
+            policy.explain(uid, n, holdings(folder)),
+            hint="Waiting cannot help: ask for fewer GPUs, or ask the administrator.",
+        )
+    limits = policy.limits != Limits()
     start = time.monotonic()
     streak: dict[str, int] = {}
-    with Ticket() as ticket:
+    with Ticket(folder, n=n, criteria=criteria.describe(), command=command) as ticket:
         while True:
-            verdicts = assess(inv, criteria, current_claims())
+            verdicts = assess(inv, criteria, current_claims(folder))
             streak = {v.gpu.uuid: streak.get(v.gpu.uuid, 0) + 1 for v in verdicts if v.ok}
             ready = best_first(
                 (v.gpu for v in verdicts if v.ok and streak[v.gpu.uuid] >= settle), order
             )
-            ahead = ticket.ahead()
-            if ahead == 0 and len(ready) >= n:
+            held = holdings(folder) if limits else {}
+            ahead = sum(
+                policy.refusal(w.uid, w.n, held) is None
+                for w in ticket.waiters_ahead(ticket.line())
+            )
+            limited = policy.refusal(uid, n, held)
+            if ahead == 0 and limited is None and len(ready) >= n:
                 try:
-                    return claim(ready[:n], command=command)
+                    got = claim(ready[:n], command=command, folder=folder)
                 except ClaimError:  # claimed by someone outside the line since: poll again
                     streak.clear()
+                else:
+                    # Another process of this user may have claimed meanwhile: never past
+                    # the limit, even for a moment's race.
+                    if not limits or policy.refusal(uid, 0, holdings(folder)) is None:
+                        return got
+                    got.release()
             qualify = sum(v.ok for v in verdicts)
             line = f"; {ahead} waiter{'s' if ahead != 1 else ''} ahead" if ahead else ""
             on_status(
@@ -131,11 +209,14 @@ def wait_and_claim(
                 f"{qualify} of {len(inv.gpus)} qualify"
                 + (f", {len(ready)} for {settle} polls in a row" if settle > 1 else "")
                 + line
+                + (f"; {limited}" if limited else "")
             )
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
                 late = ""
-                if qualify >= n:  # they qualify now: say what kept this waiter from them
+                if limited:
+                    late = f" {policy.explain(uid, n, held)}"
+                elif qualify >= n:  # they qualify now: say what kept this waiter from them
                     late = (
                         f" {ahead} earlier waiter{'s' if ahead != 1 else ''} still in line."
                         if ahead

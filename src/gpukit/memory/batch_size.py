@@ -10,16 +10,20 @@ to fit instead.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
 from collections.abc import Callable
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
 from gpukit.errors import InvalidArgumentError, MemoryProbeError
 
-__all__ = ["find_batch_size", "is_out_of_memory"]
+__all__ = ["BatchSizeSearch", "find_batch_size", "is_out_of_memory"]
+
+R = TypeVar("R")
 
 log = logging.getLogger("gpukit.memory")
 
@@ -108,14 +112,32 @@ class _Search:
         return True
 
 
+@overload
 def find_batch_size(
     fn: Callable[[int], object],
+    *,
+    start: int = ...,
+    maximum: int,
+    floor: int = ...,
+    growth: float = ...,
+) -> int: ...
+@overload
+def find_batch_size(
+    fn: None = ...,
+    *,
+    start: int = ...,
+    maximum: int,
+    floor: int = ...,
+    growth: float = ...,
+) -> Callable[[Callable[..., R]], BatchSizeSearch[R]]: ...
+def find_batch_size(
+    fn: Callable[[int], object] | None = None,
     *,
     start: int = 1,
     maximum: int,
     floor: int = 1,
     growth: float = 2.0,
-) -> int:
+) -> int | Callable[[Callable[..., Any]], BatchSizeSearch[Any]]:
     """The largest batch size in ``[floor, maximum]`` for which ``fn(batch_size)`` runs.
 
     ``fn`` runs one representative step (forward, backward, optimizer step) at the given size.
@@ -133,16 +155,28 @@ def find_batch_size(
 
     Raises :class:`~gpukit.errors.MemoryProbeError` when not even ``floor`` fits.
 
+    Without ``fn`` it is a decorator, in the form of accelerate's
+    ``find_executable_batch_size``: the decorated function takes the batch size as its first
+    argument, is called without it, and returns its own result at the largest size that fits
+    (see :class:`BatchSizeSearch`).
+
     >>> def step(n: int) -> None:
     ...     if n > 48:
     ...         raise torch.OutOfMemoryError("CUDA out of memory. (a simulated limit)")
     >>> find_batch_size(step, start=8, maximum=1024)
     48
     """
-    if not callable(fn):
+    if fn is not None and not callable(fn):
         raise InvalidArgumentError(
             f"fn={fn!r} is not callable.", hint="Pass a function that takes the batch size."
         )
+    settings = _check_settings(start=start, maximum=maximum, floor=floor, growth=growth)
+    if fn is None:
+        return lambda func: BatchSizeSearch(func, **settings)
+    return _find(_Search(fn), **settings)
+
+
+def _check_settings(*, start: int, maximum: int, floor: int, growth: float) -> dict[str, Any]:
     floor = _check_size("floor", floor)
     start = _check_size("start", start)
     maximum = _check_size("maximum", maximum)
@@ -161,10 +195,14 @@ def find_batch_size(
             f"growth={growth!r} would not grow the batch size.",
             hint="Pass a factor above 1, such as 2.",
         )
-    search = _Search(fn)
+    return {"start": start, "maximum": maximum, "floor": floor, "growth": float(growth)}
+
+
+def _find(search: _Search, *, start: int, maximum: int, floor: int, growth: float) -> int:
+    """Run the search; agree across processes; raise when nothing fits."""
     try:
         found: int | None = _search(
-            search, start=start, maximum=maximum, floor=floor, growth=float(growth)
+            search, start=start, maximum=maximum, floor=floor, growth=growth
         )
     except MemoryProbeError:
         found = None
@@ -183,6 +221,53 @@ def find_batch_size(
     if agreed != found:
         log.info("batch size %s here, %d agreed across processes", found, agreed)
     return agreed
+
+
+class BatchSizeSearch(Generic[R]):
+    """A function searched for its largest batch size: what ``@find_batch_size(...)`` makes.
+
+    Calling it with the arguments that follow the batch size runs the same search as
+    ``find_batch_size(fn, ...)``, calling ``fn(batch_size, *args, **kwargs)`` for each try,
+    then calls ``fn`` once more at the size found and returns that call's result. Probe tries'
+    results are dropped as soon as they return, so what a try keeps alive (a model, its
+    activations) never counts against the next, and the bisection stays exact. ``batch_size``
+    is the size of the last search (None before the first).
+
+    >>> @find_batch_size(start=8, maximum=1024)
+    ... def train(batch_size: int, epochs: int) -> str:
+    ...     if batch_size > 48:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory. (a simulated limit)")
+    ...     return f"{epochs} epochs at batch size {batch_size}"
+    >>> train(3)
+    '3 epochs at batch size 48'
+    >>> train.batch_size
+    48
+    """
+
+    def __init__(
+        self, fn: Callable[..., R], *, start: int, maximum: int, floor: int, growth: float
+    ) -> None:
+        if not callable(fn):
+            raise InvalidArgumentError(
+                f"@find_batch_size(...) decorates a function, not {fn!r}.",
+                hint="Put it above a function whose first parameter is the batch size.",
+            )
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.batch_size: int | None = None
+        self._settings: dict[str, Any] = {
+            "start": start,
+            "maximum": maximum,
+            "floor": floor,
+            "growth": growth,
+        }
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        def probe(size: int) -> None:
+            self.fn(size, *args, **kwargs)
+
+        self.batch_size = _find(_Search(probe), **self._settings)
+        return self.fn(self.batch_size, *args, **kwargs)
 
 
 def _search(search: _Search, *, start: int, maximum: int, floor: int, growth: float) -> int:

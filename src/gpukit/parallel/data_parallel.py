@@ -16,7 +16,7 @@ from gpukit.parallel.apply import parallel_apply
 from gpukit.parallel.gather import gather_on
 from gpukit.parallel.replicate import replica_set
 from gpukit.parallel.scatter import scatter
-from gpukit.transfer import _Mover
+from gpukit.transfer import mover
 
 __all__ = ["DataParallel"]
 
@@ -36,6 +36,9 @@ class DataParallel(nn.Module):
     ``min_chunk`` keeps chunks at least that large, for BatchNorm); replicas are built once
     and reused across steps; any output structure (dicts, dataclasses, namedtuples, scalars)
     is gathered; an error in a replica names its device; and it runs on CPU-only machines.
+    On distinct CUDA devices, parameters and buffers are broadcast in coalesced buckets and
+    inputs and outputs are scattered and gathered with ``torch.nn.parallel.comm``, as
+    ``nn.DataParallel`` does; CPU replicas and repeated devices copy tensor by tensor.
 
     Warning: this is one process with one thread per device, so Python code in ``forward``
     runs one replica at a time (the GIL). Updates that ``forward`` makes to the module's state
@@ -107,9 +110,7 @@ class DataParallel(nn.Module):
         self._check_placement()
         first = self.device_ids[0]
         if len(self.device_ids) == 1:
-            args, kw = _Mover(first, "auto", False, frozenset(), frozenset()).walk(
-                (inputs, kwargs), None
-            )
+            args, kw = mover(first)((inputs, kwargs))
             return gather_on([self.module(*args, **kw)], self.output_device, self.dim)
         chunks = scatter((inputs, kwargs), self.device_ids, self.dim, min_chunk=self.min_chunk)
         if len(chunks) == 1:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+import gpukit.parallel._cuda as _cuda
+from gpukit import _tree
+from gpukit._tree import KeyPath, format_path
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
 from gpukit.errors import GatherError, InvalidArgumentError
-from gpukit.parallel._nested import format_path
-from gpukit.transfer import KeyPath
 
 __all__ = ["gather"]
 
@@ -57,8 +56,8 @@ class _Gatherer:
         first = items[0]
         if isinstance(first, torch.Tensor):
             return self._tensors(items, path)
-        kind = type(first)
-        if any(type(item) is not kind for item in items[1:]):
+        cls = type(first)
+        if any(type(item) is not cls for item in items[1:]):
             names = ", ".join(sorted({type(item).__name__ for item in items}))
             raise GatherError(
                 f"gather found different types at {format_path(path, 'outputs')}: {names}.",
@@ -66,16 +65,19 @@ class _Gatherer:
             )
         if first is None:
             return None
-        if isinstance(first, Mapping):
-            return self._mapping(items, path)
-        if isinstance(first, tuple) and hasattr(first, "_fields"):
-            fields = first._fields
-            return kind(*(self.gather([getattr(i, f) for i in items], (*path, f)) for f in fields))
-        if isinstance(first, (list, tuple)):
-            return self._sequence(items, path)
-        if dataclasses.is_dataclass(first) and not isinstance(first, type):
-            return self._dataclass(items, path)
-        return list(items)
+        kind = _tree.kind_of(first)
+        if kind == _tree.LEAF:
+            return list(items)
+        keys = [key for key, _ in _tree.children(first, kind)]
+        if kind == _tree.MAPPING:
+            self._same_keys(items, keys, path)
+        elif kind == _tree.SEQUENCE:
+            self._same_length(items, path)
+        values = [
+            self.gather([_tree.child(item, kind, key) for item in items], (*path, key))
+            for key in keys
+        ]
+        return _tree.rebuild(first, kind, values)
 
     def _tensors(self, items: list[Any], path: KeyPath) -> torch.Tensor:
         if not all(isinstance(item, torch.Tensor) for item in items):
@@ -84,6 +86,10 @@ class _Gatherer:
                 "outputs but not in others.",
                 hint="Make the module return a tensor there for every chunk of the batch.",
             )
+        if len(items) > 1 and self._target.type == "cuda":
+            direct = _cuda.gather(items, self._dim, self._target)
+            if direct is not None:
+                return direct
         moved: list[torch.Tensor] = [item.to(self._target) for item in items]
         if all(t.dim() == 0 for t in moved):
             return torch.stack(moved)
@@ -100,9 +106,8 @@ class _Gatherer:
                 "0-dim tensors for per-replica scalars.",
             ) from exc
 
-    def _mapping(self, items: list[Any], path: KeyPath) -> Any:
-        first = items[0]
-        keys = list(first)
+    @staticmethod
+    def _same_keys(items: list[Any], keys: list[Any], path: KeyPath) -> None:
         for item in items[1:]:
             if set(item) != set(keys):
                 raise GatherError(
@@ -111,32 +116,13 @@ class _Gatherer:
                     f"{sorted(map(str, item))}.",
                     hint="Make the module return the same keys for every chunk of the batch.",
                 )
-        values = {key: self.gather([item[key] for item in items], (*path, key)) for key in keys}
-        if type(first) is dict:
-            return values
-        if isinstance(first, dict):
-            # A shallow copy keeps the subclass and defaultdict's factory, as to_device does.
-            new = copy.copy(first)
-            new.update(values)
-            return new
-        return type(first)(values)
 
-    def _sequence(self, items: list[Any], path: KeyPath) -> Any:
-        first = items[0]
+    @staticmethod
+    def _same_length(items: list[Any], path: KeyPath) -> None:
         lengths = {len(item) for item in items}
         if len(lengths) > 1:
             raise GatherError(
-                f"gather found {type(first).__name__}s of lengths {sorted(lengths)} at "
+                f"gather found {type(items[0]).__name__}s of lengths {sorted(lengths)} at "
                 f"{format_path(path, 'outputs')}.",
                 hint="Make the module return sequences of one length for every chunk.",
             )
-        values = [self.gather([item[i] for item in items], (*path, i)) for i in range(len(first))]
-        return type(first)(values)
-
-    def _dataclass(self, items: list[Any], path: KeyPath) -> Any:
-        new = copy.copy(items[0])
-        for field in dataclasses.fields(new):
-            value = self.gather([getattr(item, field.name) for item in items], (*path, field.name))
-            # object.__setattr__ also works on frozen dataclasses.
-            object.__setattr__(new, field.name, value)
-        return new

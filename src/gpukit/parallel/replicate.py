@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import gpukit.parallel._cuda as _cuda
 from gpukit.devices import DeviceLike, device_list
 from gpukit.errors import InvalidArgumentError
 
@@ -100,9 +101,11 @@ class _ReplicaSet:
         """Point the first ``count`` replicas at fresh copies of ``root``'s parameters, buffers."""
         modules = [module for _, module in root.named_modules()]
         devices = self.devices[:count]
+        memos = _broadcast_all(modules, devices)
         for dev_index, dev in enumerate(devices):
             copies = self.replicas[dev_index]
-            memo: dict[int, torch.Tensor] = {}  # tied parameters stay tied in the replica
+            # One copy per tensor, so tied parameters stay tied in the replica.
+            memo: dict[int, torch.Tensor] = memos[dev_index]
             for module, replica in zip(modules, copies, strict=True):
                 for key, param in module._parameters.items():
                     # setattr, not the dict: RNNs keep their flat weight list in step with it.
@@ -110,6 +113,37 @@ class _ReplicaSet:
                 for key, buf in module._buffers.items():
                     replica._buffers[key] = None if buf is None else _copy_buffer(buf, dev, memo)
         return [copies[0] for copies in self.replicas[: len(devices)]]
+
+
+def _broadcast_all(
+    modules: list[nn.Module], devices: Sequence[torch.device]
+) -> list[dict[int, torch.Tensor]]:
+    """Per device, id(tensor) -> its copy there, made in coalesced broadcasts on distinct GPUs.
+
+    Empty memos (so that each tensor is copied on its own) on CPU, repeated devices, a module
+    spread over devices, or a target that is the module's own device.
+    """
+    memos: list[dict[int, torch.Tensor]] = [{} for _ in devices]
+    targets = _cuda.cuda_indices(devices)
+    if targets is None:
+        return memos
+    unique: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None:
+                unique.setdefault(id(tensor), tensor)
+    tensors = list(unique.values())
+    if not tensors or tensors[0].device.type != "cuda":
+        return memos
+    source = tensors[0].device.index
+    if source is None or source in targets:
+        return memos
+    copies = _cuda.broadcast(tensors, source, targets)
+    if copies is None:
+        return memos
+    for memo, per_device in zip(memos, copies, strict=True):
+        memo.update(zip(unique, per_device, strict=True))
+    return memos
 
 
 def _copy(tensor: torch.Tensor, dev: torch.device, memo: dict[int, torch.Tensor]) -> torch.Tensor:

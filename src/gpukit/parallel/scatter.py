@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+import gpukit.parallel._cuda as _cuda
+from gpukit import _tree
+from gpukit._tree import KeyPath, format_path
 from gpukit.devices import DeviceLike, device_list
 from gpukit.errors import InvalidArgumentError, ScatterError
-from gpukit.parallel._nested import format_path, map_tensors, tensors_with_paths
-from gpukit.transfer import KeyPath, _Mover
+from gpukit.transfer import _Mover
 
 T = TypeVar("T")
 
@@ -45,7 +47,7 @@ def chunk_sizes(total: int, replicas: int, *, min_chunk: int = 1) -> list[int]:
 
 def _batch_size(inputs: Any, dim: int) -> int | None:
     """The one size every tensor in ``inputs`` has along ``dim``, or None without tensors."""
-    found = tensors_with_paths(inputs)
+    found = list(_tree.leaves_with_paths(inputs, torch.Tensor))
     if not found:
         return None
     sizes: dict[int, list[KeyPath]] = {}
@@ -103,23 +105,29 @@ def scatter(
     if total is None:
         return [inputs]
     sizes = chunk_sizes(total, len(targets), min_chunk=min_chunk)
-    movers = [_Mover(t, "auto", False, frozenset(), frozenset()) for t in targets[: len(sizes)]]
+    used = targets[: len(sizes)]
+    moves = [_Mover(t, "auto", False).leaf() for t in used]
     if len(sizes) == 1:
-        return [map_tensors(inputs, lambda t, path: movers[0].tensor(t, path))]
-    out: list[T] = []
-    # Split each tensor once, on first use, rather than once per device.
+        # The walk above found no cycle, so the mappers below need no guard.
+        return [_tree.mapper(moves[0], torch.Tensor)(inputs)]
+    # On distinct GPUs each tensor is split and copied to all of them in one call.
+    indices = _cuda.cuda_indices(used)
+    # Split each tensor once, on first use, rather than once per device. ``inputs`` keeps every
+    # tensor alive for the whole call, so ids are stable keys here.
     splits: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def chunk_for(index: int) -> Any:
-        def leaf(t: torch.Tensor, _: KeyPath | None) -> torch.Tensor:
-            parts = splits.get(id(t))
-            if parts is None:
-                parts = splits[id(t)] = torch.split(t, sizes, dim)
-            return movers[index].tensor(parts[index], None)
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        parts = splits.get(id(t))
+        if parts is None:
+            if indices is not None and t.device.type in ("cpu", "cuda"):
+                parts = _cuda.scatter(t, indices, sizes, dim % t.dim())
+            else:
+                parts = torch.split(t, sizes, dim)
+            splits[id(t)] = parts
+        return parts
 
-        return leaf
+    def chunk_for(index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        move = moves[index]
+        return lambda t: move(split(t)[index])
 
-    # ``inputs`` keeps every tensor alive for the whole call, so ids are stable keys here.
-    for index in range(len(sizes)):
-        out.append(map_tensors(inputs, chunk_for(index)))
-    return out
+    return [_tree.mapper(chunk_for(index), torch.Tensor)(inputs) for index in range(len(sizes))]

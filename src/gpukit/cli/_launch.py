@@ -1,0 +1,214 @@
+"""Running ``gpukit run``'s command so that every signal reaches it exactly once.
+
+The command runs in a process group of its own. A signal sent to gpukit's group
+(``kill -TERM -- -PGID``, ``timeout``, a scheduler) or to gpukit alone (``kill PID``) therefore
+reaches gpukit only, and gpukit forwards it: the command gets it once. Before, the command
+shared gpukit's group and got such a signal twice, once directly and once forwarded, so a job
+took a second KeyboardInterrupt while saving its checkpoint.
+
+At a terminal, the command's group is made the terminal's foreground group, so Ctrl-C, Ctrl-\\
+and a hang-up reach the command (and its children) straight from the terminal, once, and it
+can read the terminal. When Ctrl-Z stops it, gpukit takes the terminal back and stops too, so
+the shell sees the job stopped; ``fg`` continues gpukit, which hands the terminal back and
+continues the command. When gpukit dies, even by SIGKILL, the command is told to stop
+(SIGTERM, Linux's parent-death signal) and the shell takes its terminal back.
+
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from gpukit.errors import InvalidArgumentError
+
+# What a user or a scheduler sends to stop, hang up, or ask a job to checkpoint (SIGUSR1).
+FORWARDED: tuple[signal.Signals, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+# ``timeout`` sends its signal to gpukit and then to gpukit's group: the same signal from the
+# same sender twice in a row is one request, forwarded once.
+_REPEAT_S = 0.5
+
+
+def _controlling_terminal() -> int | None:
+    """A descriptor of this process's controlling terminal, or ``None`` without one."""
+    try:
+        return os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _foreground(tty: int | None) -> bool:
+    """True when gpukit's group is the terminal's foreground group (it may hand it over)."""
+    if tty is None:
+        return False
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_ttou() -> Iterator[None]:
+    """Block SIGTTOU: a background group may then set the terminal's foreground group."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _give_terminal(tty: int | None, pgid: int) -> None:
+    if tty is None:
+        return
+    with _quiet_ttou(), contextlib.suppress(OSError):
+        os.tcsetpgrp(tty, pgid)
+
+
+def _child_setup(tty: int | None, own_group: bool) -> Callable[[], None]:
+    """A function for the child, run between fork and exec: own group, terminal, signals."""
+    parent = os.getpid()
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            prctl = None
+
+    def setup() -> None:
+        if own_group:
+            os.setpgid(0, 0)
+        if tty is not None:
+            # Before exec, so that the command never reads the terminal from the background
+            # (which would stop it with SIGTTIN).
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+            with contextlib.suppress(OSError):
+                os.tcsetpgrp(tty, os.getpgrp())
+        # The blocked-signal mask survives exec: gpukit blocks the forwarded signals to read
+        # them synchronously, and the command must receive them as usual.
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: told to stop when gpukit dies
+            if os.getppid() != parent:  # gpukit died before the line above took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+def _start(
+    argv: Sequence[str], env: dict[str, str], tty: int | None, *, own_group: bool
+) -> subprocess.Popen[bytes]:
+    try:
+        proc = subprocess.Popen(list(argv), env=env, preexec_fn=_child_setup(tty, own_group))
+    except OSError as exc:  # not found, not executable (chmod), a folder, not a program
+        if isinstance(exc, FileNotFoundError):
+            raise InvalidArgumentError(
+                f"Cannot run {argv[0]!r}: no such program.", hint="Check the command after `--`."
+            ) from exc
+        raise InvalidArgumentError(
+            f"Cannot run {argv[0]!r}: {exc.strerror or exc}.",
+            hint="Check the command after `--`: make the file executable (chmod +x) or run it "
+            "with its interpreter, e.g. `-- python train.py`.",
+        ) from exc
+    if own_group:
+        with contextlib.suppress(OSError):  # the child did it too; whichever runs first wins
+            os.setpgid(proc.pid, proc.pid)
+    return proc
+
+
+def _exit_status(status: int) -> int:
+    """The shell's ``$?`` for a wait status: the exit code, or 128+N for signal N."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def launch(argv: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``argv`` to its end as gpukit's child, forwarding signals; return its exit status.
+
+    The exit status is the command's, or 128+N when signal N ended it.
+    """
+    if not hasattr(signal, "sigtimedwait"):
+        # Without synchronous signal reading (not Linux), the command stays in gpukit's group
+        # and gpukit forwards what it receives, as before.
+        proc = _start(argv, env, None, own_group=False)
+        for signum in FORWARDED:
+            signal.signal(signum, lambda s, _f: proc.send_signal(s))
+        code = proc.wait()
+        return 128 - code if code < 0 else code
+    waited = {*FORWARDED, signal.SIGCHLD, signal.SIGCONT}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
+    tty = _controlling_terminal()
+    try:
+        handed = tty if _foreground(tty) else None
+        proc = _start(argv, env, handed, own_group=True)
+        try:
+            return _supervise(proc, tty, waited)
+        finally:
+            if handed is not None:  # the command's group ended: the terminal is gpukit's again
+                with contextlib.suppress(OSError):
+                    if os.tcgetpgrp(handed) == proc.pid:
+                        _give_terminal(handed, os.getpgrp())
+    finally:
+        if tty is not None:
+            os.close(tty)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _supervise(proc: subprocess.Popen[bytes], tty: int | None, waited: set[signal.Signals]) -> int:
+    last: tuple[int, int, float] | None = None
+    stopped = False
+    while True:
+        info = signal.sigtimedwait(waited, 0.25)
+        if info is not None and info.si_signo in FORWARDED:
+            now = time.monotonic()
+            repeat = last is not None and last[:2] == (info.si_signo, info.si_pid)
+            again = repeat and last is not None and now - last[2] < _REPEAT_S
+            if not again and not _hung_up(info.si_signo, tty):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, info.si_signo)
+            last = (info.si_signo, info.si_pid, now)
+        elif info is not None and info.si_signo == signal.SIGCONT and stopped:
+            # Continued (fg or bg) after following the command's stop: take it along.
+            if _foreground(tty):
+                _give_terminal(tty, proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGCONT)
+            stopped = False
+        pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+        if pid == 0:
+            continue
+        if os.WIFSTOPPED(status):
+            if tty is not None:  # Ctrl-Z (or a read from the background): the job stops
+                stopped = True
+                _give_terminal(tty, os.getpgrp())
+                os.killpg(os.getpgrp(), signal.SIGTSTP)
+            continue
+        code = _exit_status(status)
+        proc.returncode = 128 - code if os.WIFSIGNALED(status) else code  # Popen's convention
+        return code
+
+
+def _hung_up(signum: int, tty: int | None) -> bool:
+    """True for a SIGHUP of a terminal that hung up: the kernel sent the command its own."""
+    if signum != signal.SIGHUP or tty is None:
+        return False
+    try:
+        os.tcgetpgrp(tty)
+    except OSError:
+        return True
+    return False

@@ -1,0 +1,288 @@
+"""The line of waiters as read from the queue folder: who waits, in what order, what is ignored.
+
+Each waiter (``gpukit run --wait``, ``gk.acquire(wait=True)``) holds a *ticket* in
+``<lock folder>/queue`` for as long as it waits: a file it creates, locks (``flock``) and names
+``<time_ns>-<pid>-<hex>.ticket``, holding one JSON record (schema ``gpukit.ticket/1``: pid,
+user, uid, how many GPUs, the criteria, the command, since when). Only the first waiter in line
+whose request the server's policy allows may claim GPUs, so waiters are served in arrival order.
+
+Why the line cannot be jumped. Every user can add files to the queue folder, and a file's name
+and content are whatever its creator wrote. Arrival order therefore comes from a time the
+kernel sets, the ticket's inode change time (``st_ctime_ns``, set when the ticket takes its
+name; ``utime`` can set a file's other times back, never this one), with the name only as a
+tie-break between tickets of the same clock tick. A ticket made after yours comes after yours,
+whatever its name says.
+
+Why it cannot be jammed. Entries are opened without following links and without blocking
+(``O_NOFOLLOW | O_NONBLOCK``) and checked with ``fstat``: a regular file with one link. A ticket
+counts only while the process its record names holds its lock (the kernel's lock table,
+:mod:`gpukit.gpus.flocks`, says who holds it), the file belongs to the record's uid and user,
+and that process runs as the same user. Anything else in the folder (a link, a FIFO, a folder,
+a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
+:attr:`Line.foreign`. Nothing here waits on a file, so ``--timeout`` always holds. A waiter
+that dies (even by SIGKILL) loses its lock with its life: a dead waiter never blocks the line.
+
+The kernel's lock table names processes as this process's pid namespace sees them, so waiters
+in containers with pid namespaces of their own that share one lock folder do not see each
+other's tickets as live; give each such container its own GPUs, or share the pid namespace.
+
+What a co-user can still do: queue honestly (a live process of theirs holding a well-formed
+ticket is a waiter, shown with its user, pid and command) and hold real claims.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import stat
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpukit.errors import LockFolderError, UnsafeLockFileError
+from gpukit.gpus.claims import lock_dir
+from gpukit.gpus.flocks import exclusive_flocks, process_uid
+from gpukit.gpus.lockfiles import open_folder, open_lock_file
+from gpukit.gpus.lockfiles import owner_name as user_name
+
+__all__ = ["QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
+
+TICKET_SCHEMA = "gpukit.ticket/1"
+QUEUE = "queue"
+_SUFFIX = ".ticket"
+_MAX_RECORD = 64 * 1024
+_TICKET_MODE = 0o644  # others read it (and lock it shared, to probe); only its owner writes
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One live waiter, as its ticket describes it."""
+
+    position: int
+    """Place in line: 1 is served next."""
+    pid: int
+    user: str
+    uid: int
+    n: int
+    """How many GPUs it waits for."""
+    criteria: str
+    """What the GPUs must satisfy, as :meth:`Criteria.describe` says it ('' for any idle GPU)."""
+    command: str
+    since: float
+    """Unix time it joined the line, as its record says."""
+    ticket: str
+    """The ticket's file name in the queue folder."""
+    arrived_ns: int
+    """The kernel's change time of the ticket (ns): what orders the line."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """An entry of the queue folder that is not a live waiter's ticket, and why."""
+
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Line:
+    """The waiters in service order, and what else the queue folder holds."""
+
+    waiters: tuple[Waiter, ...] = ()
+    foreign: tuple[Foreign, ...] = ()
+
+
+def _queue_of(folder: Path | None) -> Path:
+    return (lock_dir() if folder is None else Path(folder)) / QUEUE
+
+
+def read_line(folder: Path | None = None) -> Line:
+    """The line of waiters of the lock folder ``folder`` (default: the machine's), in order.
+
+    Never blocks, never follows a link; what does not count as a waiter is in ``foreign``.
+    Raises LockFolderError when the queue folder is refused (a link, another user's folder
+    that others could write without the sticky bit).
+
+    >>> [(w.position, w.user, w.n) for w in read_line().waiters]   # doctest: +SKIP
+    [(1, 'alice', 2), (2, 'bob', 1)]
+    """
+    queue = _queue_of(folder)
+    if not os.path.lexists(queue):
+        return Line()  # no one has waited here yet
+    dir_fd = open_folder(queue)
+    try:
+        return _read(dir_fd, queue)
+    finally:
+        os.close(dir_fd)
+
+
+def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
+    with os.scandir(dir_fd) as entries:
+        listed = sorted((e.name, e.inode()) for e in entries if not e.name.startswith("."))
+    # Read after the folder: a ticket is locked before its name appears, so every live ticket
+    # listed above is in this table.
+    table = exclusive_flocks()
+    found: list[Waiter] = []
+    foreign: list[Foreign] = []
+    for name, inode in listed:
+        if not name.endswith(_SUFFIX):
+            foreign.append(Foreign(name, "not a ticket"))
+            continue
+        if table is not None and not table.get(inode):
+            try:  # lstat: opens nothing, never blocks
+                info: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
+            except OSError:
+                info = None
+            foreign.append(Foreign(name, _unheld(info)))
+            mine = info is not None and info.st_uid == os.getuid()
+            if tidy and mine and info is not None and stat.S_ISREG(info.st_mode):
+                _remove_if_abandoned(dir_fd, queue, name)
+            continue
+        waiter = _waiter(dir_fd, queue, name, inode, table)
+        if isinstance(waiter, str):
+            foreign.append(Foreign(name, waiter))
+        else:
+            found.append(waiter)
+    found.sort(key=lambda w: (w.arrived_ns, w.ticket))
+    return Line(tuple(replace(w, position=i + 1) for i, w in enumerate(found)), tuple(foreign))
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _unheld(info: os.stat_result | None) -> str:
+    """Why an entry no process locks (``info``: its ``lstat``, if still there) is no ticket."""
+    if info is None:
+        return "gone"
+    return "not held by a live waiter" if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
+
+
+def _open_entry(dir_fd: int, queue: Path, name: str) -> int | str:
+    """The entry ``name`` opened read-only through :mod:`.lockfiles`, or why it is not a ticket.
+
+    Never follows a link, never blocks (a FIFO), never keeps anything but a regular file with
+    one link.
+    """
+    try:
+        return open_lock_file(queue, name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return "gone"
+    except UnsafeLockFileError:
+        try:
+            info = os.lstat(name, dir_fd=dir_fd)
+        except OSError:
+            return "gone"
+        if stat.S_ISREG(info.st_mode):
+            return f"a file with {info.st_nlink} hard links"
+        return _kind(info.st_mode)
+    except LockFolderError as exc:
+        return f"cannot be opened ({exc.message})"
+
+
+def _record(data: bytes) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(data.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    types: dict[str, type | tuple[type, ...]] = {
+        "pid": int,
+        "user": str,
+        "uid": int,
+        "n": int,
+        "criteria": str,
+        "command": str,
+        "since": (int, float),
+    }
+    if not isinstance(raw, dict) or raw.get("schema") != TICKET_SCHEMA:
+        return None
+    for key, kind in types.items():
+        value = raw.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return None
+    try:
+        since = float(raw["since"])  # an int of 400 digits is no time: OverflowError
+    except OverflowError:
+        return None
+    if raw["n"] < 1 or not math.isfinite(since):
+        return None
+    return raw
+
+
+def _waiter(
+    dir_fd: int, queue: Path, name: str, inode: int, table: dict[int, frozenset[int]] | None
+) -> Waiter | str:
+    fd = _open_entry(dir_fd, queue, name)
+    if isinstance(fd, str):
+        return fd
+    try:
+        info = os.fstat(fd)
+        if info.st_ino != inode:
+            return "replaced while read"
+        data = os.pread(fd, _MAX_RECORD + 1, 0)
+        record = _record(data) if len(data) <= _MAX_RECORD else None
+        if record is None:
+            return "no valid waiter record"
+        pid = record["pid"]
+        if table is None:  # no kernel lock table: the lock itself says whether anyone holds it
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return "not held by a live waiter"
+            except BlockingIOError:
+                pass
+        elif pid not in table.get(inode, ()):
+            held_by = ", ".join(map(str, sorted(table.get(inode, ()))))
+            return f"held by pid {held_by}, not by pid {pid} its record names"
+        if info.st_uid != record["uid"]:
+            return f"belongs to uid {info.st_uid}, but its record names uid {record['uid']}"
+        if record["user"] != user_name(info.st_uid):
+            return f"belongs to {user_name(info.st_uid)}, but its record names {record['user']}"
+        runner = process_uid(pid)
+        if runner is not None and runner != info.st_uid:
+            return f"its process {pid} runs as {user_name(runner)}, not as {record['user']}"
+    finally:
+        os.close(fd)
+    return Waiter(
+        position=0,
+        pid=pid,
+        user=record["user"],
+        uid=record["uid"],
+        n=record["n"],
+        criteria=record["criteria"],
+        command=record["command"],
+        since=float(record["since"]),
+        ticket=name,
+        arrived_ns=info.st_ctime_ns,
+    )
+
+
+def _remove_if_abandoned(dir_fd: int, queue: Path, name: str) -> None:
+    """Remove a ticket of this user whose waiter died (killed before it could tidy up)."""
+    fd = _open_entry(dir_fd, queue, name)
+    if isinstance(fd, str):
+        return
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return  # the sticky folder lets only its owner remove it
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted: no waiter holds it
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

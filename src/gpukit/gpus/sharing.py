@@ -1,0 +1,459 @@
+"""How the GPUs of this machine are shared right now: holders, waiters, unclaimed and idle use.
+
+>>> from gpukit.gpus.sharing import sharing
+>>> now = sharing()                                             # doctest: +SKIP
+>>> [(w.position, w.user, w.reason) for w in now.waiters]       # doctest: +SKIP
+[(1, 'bob', '1 of 2 GPUs qualify'), (2, 'carol', 'behind position 1')]
+
+What ``gpukit queue`` shows. Never imports torch.
+
+- Holders come from the claims' lock files, checked against the kernel's lock table
+  (``/proc/locks``): where another process than the record names holds a lock, that process
+  is shown. The user shown is the owner of the holder's process as the kernel reports it.
+- Waiters come from the line of waiters, in service order, each with why it is not served yet.
+- Unclaimed use: a process NVML sees on a GPU that no claim of that GPU covers. A claim covers
+  its holder and the holder's descendants (``/proc/<pid>/stat`` parents), since ``gpukit run``
+  holds the claim while the command it starts uses the GPU.
+- Idle claims: every GPU of the claim showed no process and 0% utilisation at every reading
+  since ``idle_since``. Readings are this user's own, kept in ``<lock folder>/observed-<uid>
+  .json`` by each ``sharing(observe=True)`` call (each ``gpukit queue``); a reading
+  further apart from the previous one than the threshold starts the count again, so a claim is
+  called idle only after readings at most one threshold apart, for longer than the threshold.
+  Keep ``gpukit queue --watch`` (or a cron job running ``gpukit queue --json``) going to see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import uuid as uuid_module
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpukit.errors import GpukitError
+from gpukit.gpus import waiting
+from gpukit.gpus.claims import Holder, current_claims, lock_dir
+from gpukit.gpus.flocks import exclusive_flocks
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.lockfiles import open_lock_file, opened_folder
+from gpukit.gpus.policy import holdings, load_policy
+from gpukit.gpus.select import Criteria, assess
+
+SCHEMA = "gpukit.queue/1"
+"""The ``schema`` field of :meth:`Sharing.to_json`."""
+IDLE_AFTER_S = 30 * 60.0
+"""A claim is idle after this many seconds with no process and 0% utilisation on its GPUs."""
+_ANCESTRY_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class HeldClaim:
+    """One claim held now: the GPUs one process holds."""
+
+    gpus: tuple[int | None, ...]
+    """NVML indices (``None`` for a GPU this machine's NVML does not list)."""
+    uuids: tuple[str, ...]
+    user: str | None
+    pid: int | None
+    command: str | None
+    since: float | None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """One waiter in the line, in service order."""
+
+    position: int
+    """1 = served next."""
+    user: str | None
+    pid: int | None
+    n: int | None
+    """GPUs asked for (``None`` when the waiter's ticket does not say)."""
+    criteria: str | None
+    since: float | None
+    reason: str
+    """Why it is not served now, e.g. ``'1 of 2 GPUs qualify'`` or ``'behind position 1'``."""
+
+
+@dataclass(frozen=True)
+class UnclaimedUse:
+    """A process on a GPU that no claim of that GPU covers."""
+
+    gpu: int
+    user: str | None
+    pid: int
+    command: str | None
+    memory: int | None
+    """Bytes of GPU memory it holds."""
+
+
+@dataclass(frozen=True)
+class IdleClaim:
+    """A claim whose GPUs have been unused for longer than the threshold."""
+
+    gpus: tuple[int | None, ...]
+    user: str | None
+    pid: int | None
+    command: str | None
+    idle_since: float
+    idle_s: float
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """The machine's sharing state at ``taken_at``."""
+
+    taken_at: float
+    holders: tuple[HeldClaim, ...]
+    waiters: tuple[Waiting, ...]
+    unclaimed: tuple[UnclaimedUse, ...]
+    idle: tuple[IdleClaim, ...]
+    idle_after_s: float
+    source: str
+    """Where the GPU readings came from (``'nvml'`` or ``'fake:<file>'``)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict with a ``schema`` field (``gpukit queue --json``)."""
+        return {"schema": SCHEMA, **asdict(self)}
+
+
+def _proc_uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _user_name(uid: int | None) -> str | None:
+    if uid is None:
+        return None
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # "pid (comm) state ppid ...": comm may itself hold ") ", so split at the last one.
+        return int(data.rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, grandparent... up to init, from ``/proc`` (empty when unknown)."""
+    found: list[int] = []
+    current: int | None = pid
+    while len(found) < _ANCESTRY_DEPTH:
+        current = _parent(current) if current is not None else None
+        if current is None or current <= 0 or current in found:
+            break
+        found.append(current)
+    return found
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip() or None
+
+
+def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
+    """``holder`` as its lock record says, corrected by the kernel's lock table.
+
+    A record is written by whoever holds the lock, so it could name someone else's process;
+    where the kernel says another pid holds the lock, that pid and its command line win.
+    """
+    if table is None:
+        return holder  # no lock table (not Linux): the record is all there is
+    try:
+        pids = table.get(os.lstat(lock).st_ino, frozenset()) - {0}
+    except OSError:
+        return holder
+    if not pids or holder.pid in pids:
+        return holder  # verified, or held from another pid namespace (pid 0): unverifiable
+    pid = min(pids)
+    return replace(holder, user=None, pid=pid, command=_cmdline(pid))
+
+
+def _holders(
+    claims: dict[str, Holder], inv: Inventory, folder: Path, table: dict[int, frozenset[int]] | None
+) -> list[HeldClaim]:
+    index = {g.uuid: g.index for g in inv.gpus}
+    groups: dict[tuple[int | None, float | None, str | None, str | None], list[str]] = {}
+    records: dict[tuple[int | None, float | None, str | None, str | None], Holder] = {}
+    for uuid, recorded in claims.items():
+        holder = _true_holder(recorded, folder / f"{uuid}.lock", table)
+        key = (holder.pid, holder.since, holder.user, holder.command)
+        groups.setdefault(key, []).append(uuid)
+        records[key] = holder
+    held = []
+    for key, uuids in groups.items():
+        holder = records[key]
+        uuids.sort(key=lambda u: (index.get(u) is None, index.get(u) or 0, u))
+        # The lock record is written by its holder; the kernel's word on who runs the pid wins.
+        owner = _user_name(_proc_uid(holder.pid)) if holder.pid is not None else None
+        held.append(
+            HeldClaim(
+                gpus=tuple(index.get(u) for u in uuids),
+                uuids=tuple(uuids),
+                user=owner or holder.user,
+                pid=holder.pid,
+                command=holder.command,
+                since=holder.since,
+            )
+        )
+    held.sort(key=lambda h: (h.since or 0.0, h.pid or 0))
+    return held
+
+
+def _unclaimed(inv: Inventory, held: Sequence[HeldClaim]) -> list[UnclaimedUse]:
+    holders_of: dict[int, set[int]] = {}
+    for claim in held:
+        for index in claim.gpus:
+            if index is not None and claim.pid is not None:
+                holders_of.setdefault(index, set()).add(claim.pid)
+    found = []
+    for gpu in inv.gpus:
+        pids = holders_of.get(gpu.index, set())
+        for proc in gpu.processes:
+            if proc.pid in pids or pids.intersection(ancestors(proc.pid)):
+                continue
+            found.append(
+                UnclaimedUse(gpu.index, proc.user, proc.pid, proc.command, proc.used_memory)
+            )
+    return found
+
+
+_SIZE = re.compile(r"at least (.+) free")
+_UTIL = re.compile(r"at most (\d+)% busy")
+_PROCS = re.compile(r"at most (\d+) process\(es\)")
+
+
+def criteria_from_text(text: str) -> Criteria | None:
+    """The criteria that :meth:`Criteria.describe` wrote as ``text``, or None if it is not one.
+
+    Waiters' tickets carry their criteria as that sentence. Sizes come back rounded to what
+    the sentence shows (0.1 GiB), enough to say how many GPUs qualify for a waiter.
+    """
+    text = text.strip()
+    if not text:
+        return Criteria()  # any idle GPU
+    head, _, excluded = text.partition(", not ")
+    values: dict[str, Any] = {}
+    processes_said = False
+    for part in filter(None, (p.strip() for p in head.split(","))):
+        if (size := _SIZE.fullmatch(part)) and "min_free" not in values:
+            values["min_free"] = size.group(1)
+        elif (util := _UTIL.fullmatch(part)) and "max_util" not in values:
+            values["max_util"] = int(util.group(1))
+        elif part == "no process on it" and not processes_said:
+            values["max_processes"] = 0
+            processes_said = True
+        elif (procs := _PROCS.fullmatch(part)) and not processes_said:
+            values["max_processes"] = int(procs.group(1))
+            processes_said = True
+        else:
+            return None
+    exclude = [e.strip() for e in excluded.split(",") if e.strip()] if excluded else []
+    try:
+        criteria = Criteria.make(exclude=[int(e) if e.isdigit() else e for e in exclude], **values)
+    except (GpukitError, TypeError, ValueError):
+        return None
+    return criteria if criteria.describe() == text else None
+
+
+def _refusals(folder: Path) -> Callable[[int | None, int | None], str | None]:
+    """``refusal(uid, n)``: why the server's policy keeps that waiter from claiming now."""
+    try:
+        rules = load_policy(folder)
+        held = holdings(folder)
+    except GpukitError:  # a policy file that is refused is no limit (gpukit run says why)
+        return lambda uid, n: None
+    return lambda uid, n: None if uid is None or n is None else rules.refusal(uid, n, held)
+
+
+def _reasons(
+    line: Sequence[dict[str, Any]],
+    inv: Inventory,
+    claims: dict[str, Holder],
+    refusal: Callable[[int | None, int | None], str | None],
+) -> list[str]:
+    """Why each waiter is not served now, with the line's rule: the first waiter whose user
+    the policy lets claim is served as soon as enough GPUs qualify."""
+    reasons = []
+    first_allowed: int | None = None
+    for entry in line:
+        n, position = entry.get("n"), entry["position"]
+        refused = refusal(entry.get("uid"), n)
+        if refused:
+            reasons.append(refused)
+            continue
+        if first_allowed is not None:
+            reasons.append(f"behind position {first_allowed}")
+            continue
+        first_allowed = position
+        text = entry.get("criteria")
+        criteria = criteria_from_text(text) if isinstance(text, str) else None
+        if criteria is None or type(n) is not int:
+            reasons.append("next in line")
+            continue
+        ok = sum(v.ok for v in assess(inv, criteria, claims))
+        reasons.append(
+            f"{ok} of {n} GPU{'s' if n != 1 else ''} qualify"
+            if ok < n
+            else "its GPUs qualify: it claims them at its next poll"
+        )
+    return reasons
+
+
+def _line(folder: Path) -> list[dict[str, Any]]:
+    """The waiters in service order, as dicts of what their tickets say."""
+    fields = ("position", "pid", "user", "uid", "n", "criteria", "since")
+    return [{k: getattr(w, k, None) for k in fields} for w in waiting.read_line(folder).waiters]
+
+
+def _waiters(
+    line: list[dict[str, Any]], inv: Inventory, claims: dict[str, Holder], folder: Path
+) -> list[Waiting]:
+    if not line:
+        return []
+    reasons = _reasons(line, inv, claims, _refusals(folder))
+    return [
+        Waiting(
+            position=entry["position"],
+            user=entry.get("user"),
+            pid=entry.get("pid"),
+            n=entry.get("n"),
+            criteria=(entry.get("criteria") or "any")
+            if entry.get("criteria") is not None
+            else None,
+            since=entry.get("since"),
+            reason=reason,
+        )
+        for entry, reason in zip(line, reasons, strict=True)
+    ]
+
+
+def _idle_now(claim: HeldClaim, inv: Inventory) -> bool:
+    gpus = {g.index: g for g in inv.gpus}
+    mine = [gpus.get(i) for i in claim.gpus if i is not None]
+    return bool(mine) and all(
+        g is not None and not g.processes and g.utilization_gpu == 0 for g in mine
+    )
+
+
+def _claim_key(claim: HeldClaim) -> str:
+    return f"{claim.pid}:{claim.since!r}:{','.join(claim.uuids)}"
+
+
+def _observations_name() -> str:
+    return f"observed-{os.geteuid()}.json"
+
+
+def _read_observations(folder: Path) -> dict[str, Any]:
+    try:
+        with opened_folder(folder) as dir_fd:
+            fd = open_lock_file(folder, _observations_name(), dir_fd=dir_fd)
+    except (OSError, GpukitError):
+        return {}
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return {}  # not ours: a co-user cannot tell us what we saw
+        data = json.loads(os.read(fd, 4 * 2**20))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+    finally:
+        os.close(fd)
+
+
+def _write_observations(folder: Path, data: dict[str, Any]) -> None:
+    name = _observations_name()
+    hidden = f".{name}.{uuid_module.uuid4().hex[:8]}"
+    with contextlib.suppress(OSError, GpukitError), opened_folder(folder) as dir_fd:
+        fd = open_lock_file(
+            folder, hidden, dir_fd=dir_fd, write=True, create=True, exclusive=True, mode=0o600
+        )
+        try:
+            os.write(fd, json.dumps(data).encode())
+        finally:
+            os.close(fd)
+        try:
+            # In the sticky folder a rename never replaces another user's file.
+            os.rename(hidden, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError:
+            os.unlink(hidden, dir_fd=dir_fd)
+
+
+def _idle(
+    folder: Path, held: Sequence[HeldClaim], inv: Inventory, idle_after: float, observe: bool
+) -> list[IdleClaim]:
+    now = inv.taken_at
+    before = _read_observations(folder)
+    seen: dict[str, dict[str, float | None]] = {}
+    for claim in held:
+        key = _claim_key(claim)
+        last = before.get(key) if isinstance(before.get(key), dict) else None
+        idle_since: float | None = None
+        if _idle_now(claim, inv):
+            idle_since = now
+            if last is not None:
+                prev_seen, prev_since = last.get("seen"), last.get("idle_since")
+                if (
+                    isinstance(prev_seen, (int, float))
+                    and isinstance(prev_since, (int, float))
+                    and 0 <= now - prev_seen <= idle_after
+                ):
+                    idle_since = min(float(prev_since), now)
+        seen[key] = {"seen": now, "idle_since": idle_since}
+    if observe and (seen or before):
+        # Only with claims to observe: then the lock folder exists, and this never makes it.
+        _write_observations(folder, seen)
+    return [
+        IdleClaim(c.gpus, c.user, c.pid, c.command, since, now - since)
+        for c in held
+        if (since := seen[_claim_key(c)]["idle_since"]) is not None and now - since > idle_after
+    ]
+
+
+def sharing(
+    inv: Inventory | None = None,
+    *,
+    folder: Path | None = None,
+    idle_after: float = IDLE_AFTER_S,
+    observe: bool = True,
+) -> Sharing:
+    """Who holds which GPU, who waits and why, unclaimed use and idle claims, right now.
+
+    ``observe`` records this reading of which claims are idle, so that a later call can tell
+    how long they have been (see the module's notes).
+    """
+    base = lock_dir() if folder is None else folder
+    inv = inventory() if inv is None else inv
+    # The line first, then the claims: a waiter leaves the line only once it holds its claim,
+    # so read in this order, each process that waits or holds shows in one list at least.
+    line = _line(base)
+    claims = current_claims(base)
+    held = _holders(claims, inv, base, exclusive_flocks())
+    return Sharing(
+        taken_at=inv.taken_at,
+        holders=tuple(held),
+        waiters=tuple(_waiters(line, inv, claims, base)),
+        unclaimed=tuple(_unclaimed(inv, held)),
+        idle=tuple(_idle(base, held, inv, idle_after, observe)),
+        idle_after_s=idle_after,
+        source=inv.source,
+    )

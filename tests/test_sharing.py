@@ -1,0 +1,252 @@
+"""gpukit queue's view of a shared server: holders, waiters, unclaimed and idle use."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpukit.gpus import waiting
+from gpukit.gpus.claims import claim
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.select import Criteria
+from gpukit.gpus.sharing import criteria_from_text, sharing
+
+L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
+HOUR = 3600.0
+
+
+@pytest.fixture(autouse=True)
+def locks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    folder = tmp_path / "locks"
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(folder))
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(L4))
+    return folder
+
+
+@pytest.fixture
+def machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[dict[int, list[dict[str, object]]]], Inventory]:
+    """Read the 4xL4 server with processes on the GPUs given by index."""
+    return lambda processes: _machine(tmp_path, monkeypatch, processes)
+
+
+def _machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: dict[int, list[dict[str, object]]]
+) -> Inventory:
+    desc = json.loads(L4.read_text())
+    for gpu in desc["gpus"]:
+        gpu["processes"] = processes.get(gpu["index"], [])
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(desc))
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(path))
+    return inventory()
+
+
+def _proc(pid: int, user: str = "bob") -> dict[str, object]:
+    return {"pid": pid, "user": user, "name": "python train.py", "used_memory": 2**30}
+
+
+def test_one_process_holding_two_gpus_is_one_holder_with_both_indices() -> None:
+    inv = inventory()
+    with claim([inv.gpu(3), inv.gpu(1)], command="python train.py"):
+        [holder] = sharing(inv).holders
+    assert (holder.gpus, holder.pid, holder.command) == ((1, 3), os.getpid(), "python train.py")
+
+
+def test_a_holder_is_the_process_the_kernel_says_holds_the_lock_not_the_one_its_record_names() -> (
+    None
+):
+    inv = inventory()
+    with claim([inv.gpu(0)]) as held:
+        fd = held._fds[inv.gpu(0).uuid]
+        forged = {"user": "mallory", "pid": 1, "command": "innocent", "since": 1.0}
+        data = json.dumps(forged).encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        [holder] = sharing(inv).holders
+    assert (holder.pid, holder.user) == (os.getpid(), pwd.getpwuid(os.getuid()).pw_name)
+    assert holder.command is not None
+    assert "innocent" not in holder.command
+    assert "python" in holder.command or "pytest" in holder.command
+
+
+def test_a_child_of_the_holder_is_covered_by_its_claim_and_other_processes_are_not(
+    machine: Callable[[dict[int, list[dict[str, object]]]], Inventory],
+) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        inv = machine(
+            {0: [_proc(child.pid), _proc(999_999_999, "eve")], 1: [_proc(child.pid)]},
+        )
+        with claim([inv.gpu(0)]):
+            unclaimed = sharing(inv).unclaimed
+    finally:
+        child.kill()
+        child.wait()
+    assert [(u.gpu, u.pid, u.user) for u in unclaimed] == [
+        (0, 999_999_999, "eve"),
+        (1, child.pid, "bob"),
+    ]
+
+
+def test_a_process_on_a_gpu_nobody_claimed_is_unclaimed_use(
+    machine: Callable[[dict[int, list[dict[str, object]]]], Inventory],
+) -> None:
+    inv = machine({2: [_proc(4242, "carol")]})
+    [use] = sharing(inv).unclaimed
+    assert (use.gpu, use.user, use.pid, use.command, use.memory) == (
+        2,
+        "carol",
+        4242,
+        "python train.py",
+        2**30,
+    )
+
+
+def _idle_after(readings: list[Inventory], threshold: float) -> list[float]:
+    """How long the claim looked idle at the last of ``readings`` ([] when not idle)."""
+    result: list[float] = []
+    for inv in readings:
+        result = [i.idle_s for i in sharing(inv, idle_after=threshold).idle]
+    return result
+
+
+def test_a_claim_is_idle_once_close_readings_show_no_use_for_longer_than_the_threshold() -> None:
+    inv = inventory()
+    with claim([inv.gpu(0)]):
+        t = inv.taken_at
+        readings = [replace(inv, taken_at=t + k * 0.4 * HOUR) for k in range(4)]
+        assert _idle_after(readings[:2], HOUR / 2) == []  # idle 0.4 h < 0.5 h
+        assert _idle_after(readings[2:], HOUR / 2) == [pytest.approx(1.2 * HOUR)]
+
+
+def test_a_gap_between_readings_longer_than_the_threshold_starts_the_count_again() -> None:
+    inv = inventory()
+    with claim([inv.gpu(0)]):
+        t = inv.taken_at
+        readings = [replace(inv, taken_at=t + h * HOUR) for h in (0, 0.4, 2.0, 2.4)]
+        assert _idle_after(readings, HOUR / 2) == []
+
+
+def test_a_busy_reading_starts_the_count_again(
+    machine: Callable[[dict[int, list[dict[str, object]]]], Inventory],
+) -> None:
+    idle = inventory()
+    busy = machine({0: [_proc(os.getpid())]})
+    with claim([idle.gpu(0)]):
+        t = idle.taken_at
+        readings = [
+            replace(idle, taken_at=t),
+            replace(busy, taken_at=t + 0.4 * HOUR),
+            replace(idle, taken_at=t + 0.8 * HOUR),
+            replace(idle, taken_at=t + 1.2 * HOUR),
+        ]
+        assert _idle_after(readings, HOUR / 2) == []
+        assert _idle_after([replace(idle, taken_at=t + 1.6 * HOUR)], HOUR / 2) == [
+            pytest.approx(0.8 * HOUR)
+        ]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_idle_readings_in_a_file_another_user_planted_are_not_believed(locks: Path) -> None:
+    inv = inventory()
+    with claim([inv.gpu(0)]):
+        sharing(inv, idle_after=60)  # keeps this user's readings
+        path = locks / f"observed-{os.geteuid()}.json"
+        data = json.loads(path.read_text())
+        path.unlink()
+        for key in data:
+            data[key] = {"seen": inv.taken_at, "idle_since": inv.taken_at - 10 * HOUR}
+        path.write_text(json.dumps(data))
+        os.chown(path, 65534, 65534)
+        later = replace(inv, taken_at=inv.taken_at + 30)
+        assert sharing(later, idle_after=60).idle == ()
+
+
+def _line(*waiters: tuple[int, int, str]) -> object:
+    """A line of waiters (uid, n, criteria) as gpus.waiting.read_line gives it."""
+    return SimpleNamespace(
+        waiters=tuple(
+            SimpleNamespace(
+                position=i, pid=1000 + i, user=f"u{uid}", uid=uid, n=n, criteria=c, since=i * 1.0
+            )
+            for i, (uid, n, c) in enumerate(waiters, start=1)
+        )
+    )
+
+
+def test_the_next_waiter_says_how_many_gpus_qualify_and_the_others_whom_they_are_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inv = inventory()
+    line = _line((1, 2, ""), (2, 1, ""), (3, 1, "at least 10 GiB free"))
+    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line)
+    with claim([inv.gpu(0), inv.gpu(1), inv.gpu(2)]):
+        waiters = sharing(inv).waiters
+    assert [(w.position, w.user, w.n, w.criteria, w.reason) for w in waiters] == [
+        (1, "u1", 2, "any", "1 of 2 GPUs qualify"),
+        (2, "u2", 1, "any", "behind position 1"),
+        (3, "u3", 1, "at least 10 GiB free", "behind position 1"),
+    ]
+
+
+def test_a_waiter_held_back_by_its_user_limit_does_not_hold_up_the_next(
+    monkeypatch: pytest.MonkeyPatch, locks: Path
+) -> None:
+    inv = inventory()
+    me = os.getuid()
+    line = _line((me, 1, ""), (me + 4242, 1, ""))
+    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line)
+    with claim([inv.gpu(0)]):
+        policy = locks / "policy.toml"
+        policy.write_text("[limits]\nmax_gpus_per_user = 1\n")
+        policy.chmod(0o644)
+        waiters = sharing(inv).waiters
+    assert [w.reason for w in waiters] == [
+        "user limit 1 reached",
+        "its GPUs qualify: it claims them at its next poll",
+    ]
+
+
+_sizes = st.integers(min_value=1, max_value=800).map(lambda tenths: tenths * 2**30 // 10)
+
+
+@given(
+    min_free=st.none() | _sizes,
+    max_util=st.none() | st.integers(0, 100),
+    max_processes=st.none() | st.integers(0, 8),
+    exclude=st.lists(st.integers(0, 7) | st.sampled_from(["GPU-8d11", "GPU-ab"]), max_size=3),
+)
+def test_criteria_read_back_from_a_waiters_ticket_describe_the_same_request(
+    min_free: int | None, max_util: int | None, max_processes: int | None, exclude: list[int | str]
+) -> None:
+    criteria = Criteria.make(
+        min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
+    )
+    again = criteria_from_text(criteria.describe())
+    assert again is not None
+    assert again.describe() == criteria.describe()
+    assert again.process_limit == criteria.process_limit
+
+
+def test_text_that_is_not_a_criteria_sentence_is_not_guessed_at() -> None:
+    assert criteria_from_text("at least lots free") is None
+    assert criteria_from_text("rm -rf /") is None
+
+
+def test_looking_at_a_machine_with_no_lock_folder_yet_does_not_create_one(locks: Path) -> None:
+    state = sharing(inventory())
+    assert (state.holders, state.waiters, state.idle) == ((), (), ())
+    assert not locks.exists()
