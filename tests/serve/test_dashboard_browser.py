@@ -85,7 +85,9 @@ def test_page_updates_when_the_gpus_change(serve_machine: Any, page: Any) -> Non
     summary = page.locator("#summary")
     with Ticket():
         sync_api.expect(summary).to_contain_text("1 waiter in line", timeout=10_000)
+        sync_api.expect(page.locator("#line")).to_contain_text("waits for 1 GPU")
     sync_api.expect(summary).to_contain_text("0 waiters in line", timeout=10_000)
+    sync_api.expect(page.locator("#line")).to_be_hidden()
     assert page.problems == []
 
 

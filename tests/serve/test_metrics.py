@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
+import pwd
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpukit.gpus.claims import claim
 from gpukit.gpus.waiting import Ticket
-from gpukit.serve import Sampler, count_waiters
+from gpukit.serve import Sampler
 
 A100_0 = "GPU-36f675cc-81e7-4ef5-e8e2-5d940ed90475"
 A100_4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"
@@ -65,7 +65,7 @@ def test_metrics_name_who_claimed_a_gpu(serve_machine: Any) -> None:
         for (name, labels), value in m.items()
         if name == "gpukit_gpu_claimed"
     }
-    me = getpass.getuser()
+    me = pwd.getpwuid(os.getuid()).pw_name  # the holder process's owner, as the kernel says
     assert claimed == {str(i): ((me, 1.0) if i == 4 else ("", 0.0)) for i in range(8)}
 
 
@@ -74,15 +74,6 @@ def test_metrics_count_the_waiters_in_line(serve_machine: Any) -> None:
     with Ticket(), Ticket():
         assert _value(_samples(served.sampler.sample().metrics), "gpukit_waiters") == 2
     assert _value(_samples(served.sampler.sample().metrics), "gpukit_waiters") == 0
-
-
-def test_waiter_count_skips_links_and_dead_tickets(tmp_path: Path) -> None:
-    with Ticket(folder=tmp_path) as live:
-        queue = live.queue
-        (queue / "00000000000000000001-1-dead.ticket").write_text("")
-        os.symlink(live.path, queue / "00000000000000000002-2-link.ticket")
-        os.mkfifo(queue / "00000000000000000003-3-fifo.ticket")
-        assert count_waiters(tmp_path) == 1
 
 
 def test_metrics_of_a_mig_gpu_list_its_instances_and_omit_missing_readings(
@@ -158,7 +149,7 @@ def test_a_refused_lock_folder_leaves_claims_unknown_not_free(
     assert "gpukit_waiters" not in _names(m)
     state = json.loads(sample.state_json)
     assert state["error"].startswith("Claims unknown: ")
-    assert state["queue"]["claims"] is None
+    assert state["queue"] == {"error": state["error"]}
 
 
 def test_process_labels_are_cut_so_one_command_line_cannot_bloat_every_scrape(

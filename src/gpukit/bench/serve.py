@@ -42,10 +42,14 @@ def _scrape(url: str) -> Callable[[], bytes]:
 
 
 def _scrape_results(quick: bool) -> list[BenchResult]:
-    from gpukit.gpus.claims import current_claims
     from gpukit.gpus.inventory import inventory
-    from gpukit.serve import DashboardServer, Sampler, count_waiters
+    from gpukit.gpus.sharing import sharing
+    from gpukit.serve import DashboardServer, Sampler
     from gpukit.serve.metrics import exposition
+
+    def on_demand() -> bytes:
+        inv = inventory()
+        return exposition(inv, sharing(inv, observe=False))
 
     sampler = Sampler(3600)
     sampler.start()
@@ -55,7 +59,7 @@ def _scrape_results(quick: bool) -> list[BenchResult]:
         times = compare(
             {
                 "scrape": _scrape(server.url + "metrics"),
-                "on demand": lambda: exposition(inventory(), current_claims(), count_waiters()),
+                "on demand": on_demand,
             },
             repeat=5 if quick else 31,
             number=1 if quick else 5,

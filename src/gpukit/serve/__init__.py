@@ -6,7 +6,7 @@ sample into the Prometheus text format; ``server`` answers HTTP requests from th
 Needs the ``serve`` extra (``pip install 'gpukit[serve]'``, for prometheus_client).
 """
 
-from gpukit.serve.sampler import History, Sample, Sampler, count_waiters
+from gpukit.serve.sampler import History, Sample, Sampler
 from gpukit.serve.server import DashboardServer, is_loopback
 
-__all__ = ["DashboardServer", "History", "Sample", "Sampler", "count_waiters", "is_loopback"]
+__all__ = ["DashboardServer", "History", "Sample", "Sampler", "is_loopback"]

@@ -8,7 +8,7 @@ reader can check a value by hand.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,8 +16,8 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from gpukit.gpus.claims import Holder
     from gpukit.gpus.inventory import Inventory
+    from gpukit.gpus.sharing import Sharing
 
 _COMMAND_CHARS = 120  # a label, not a log: long command lines are cut
 
@@ -28,17 +28,19 @@ def _text(value: object, limit: int = 64) -> str:
 
 
 class _SampleCollector(Collector):
-    def __init__(
-        self,
-        inv: Inventory | None,
-        claims: Mapping[str, Holder] | None,
-        waiters: int | None,
-        ok: bool,
-    ) -> None:
+    def __init__(self, inv: Inventory | None, queue: Sharing | None, ok: bool) -> None:
         self.inv = inv
-        self.claims = claims
-        self.waiters = waiters
         self.ok = ok
+        self.waiters = None if queue is None else len(queue.waiters)
+        # GPU index -> holder's user; None when the lock folder was refused (claims unknown).
+        self.holders: dict[int, str | None] | None = None
+        if queue is not None:
+            self.holders = {
+                index: holder.user
+                for holder in queue.holders
+                for index in holder.gpus
+                if index is not None
+            }
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(
@@ -126,11 +128,10 @@ class _SampleCollector(Collector):
                     [index, str(p.pid), _text(p.user), _text(p.command, _COMMAND_CHARS)],
                     float(p.used_memory),
                 )
-            if self.claims is not None:
-                holder = self.claims.get(g.uuid) if g.uuid else None
-                claimed.add_metric(
-                    [index, _text(holder.user if holder else None)], 1.0 if holder else 0.0
-                )
+            if self.holders is not None:
+                held = g.index in self.holders
+                user = _text(self.holders.get(g.index)) or ("?" if held else "")
+                claimed.add_metric([index, user], 1.0 if held else 0.0)
             for m in g.mig_instances:
                 labels = [index, str(m.index), m.uuid, _text(m.name)]
                 if m.memory_used is not None:
@@ -145,14 +146,11 @@ class _SampleCollector(Collector):
         yield mig_total
 
 
-def exposition(
-    inv: Inventory | None,
-    claims: Mapping[str, Holder] | None,
-    waiters: int | None,
-    *,
-    ok: bool = True,
-) -> bytes:
-    """The Prometheus text exposition of one sample (what ``/metrics`` answers)."""
+def exposition(inv: Inventory | None, queue: Sharing | None, *, ok: bool = True) -> bytes:
+    """The Prometheus text exposition of one sample (what ``/metrics`` answers).
+
+    ``queue`` is ``gpukit queue``'s snapshot (holders, waiters), ``None`` when unknown.
+    """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SampleCollector(inv, claims, waiters, ok))
+    registry.register(_SampleCollector(inv, queue, ok))
     return generate_latest(registry)

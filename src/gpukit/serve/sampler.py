@@ -1,76 +1,34 @@
 """Sampling the machine in the background: the last reading, and an hour of history per GPU.
 
-A :class:`Sampler` reads the inventory, the claims and the line of waiters every ``interval``
-seconds on its own thread and renders everything the server hands out (the Prometheus text, the
-JSON documents) right there. A request only picks up the bytes of the last sample, so a slow
-client never delays sampling and a scrape costs the same however busy the machine is.
+A :class:`Sampler` reads the inventory and how the GPUs are shared (``gpukit queue``'s
+snapshot: holders, waiters) every ``interval`` seconds on its own thread, and renders
+everything the server hands out (the Prometheus text, the JSON documents) right there. A request
+only picks up the bytes of the last sample, so a slow client never delays sampling and a scrape
+costs the same however busy the machine is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import importlib
 import json
-import os
 import socket
-import stat
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpukit.errors import GpukitError, InvalidArgumentError
-from gpukit.gpus.claims import Holder, current_claims
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.lockdir import lock_dir
+from gpukit.gpus.sharing import Sharing, sharing
 
 HISTORY_S = 3600.0
 """How far back the in-memory history reaches (the dashboard's charts show the last hour)."""
 CHART_POINTS = 120
 """At most this many points per GPU are sent to the page: bucket means over the hour."""
-_MAX_TICKETS = 10_000  # a folder anyone can fill must not make a sample unbounded
-
-CLAIMS_SCHEMA = "gpukit.claims/1"
 STATE_SCHEMA = "gpukit.serve.state/1"
-
-
-def count_waiters(folder: Any = None) -> int:
-    """How many processes wait in line for GPUs now (live tickets in ``<lock folder>/queue``).
-
-    Read through the line's own reader (``gpukit.gpus.waiting.read_line``) where this gpukit
-    has one. Otherwise read-only here: a ticket is live while its waiter holds its lock; links
-    and anything but plain files are skipped, since anyone can write in that folder.
-    """
-    read_line = getattr(importlib.import_module("gpukit.gpus.waiting"), "read_line", None)
-    if read_line is not None:
-        return len(read_line(folder).waiters)
-    queue = (lock_dir() if folder is None else folder) / "queue"
-    try:
-        names = os.listdir(queue)
-    except OSError:
-        return 0
-    live = 0
-    for name in names[:_MAX_TICKETS]:
-        if name.startswith(".") or not name.endswith(".ticket"):
-            continue
-        try:
-            fd = os.open(queue / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                live += 1
-        finally:
-            os.close(fd)
-    return live
 
 
 @dataclass(frozen=True)
@@ -79,9 +37,8 @@ class Sample:
 
     taken_at: float
     inventory: Inventory | None
-    claims: Mapping[str, Holder] | None
-    """``None`` when the lock folder could not be read (refused as untrustworthy)."""
-    waiters: int | None
+    queue: Sharing | None
+    """Holders and waiters; ``None`` when the lock folder was refused as unsafe."""
     error: str | None
     """Why the last reading failed (the previous inventory is kept, marked stale)."""
     metrics: bytes = b""
@@ -154,46 +111,6 @@ class History:
         return {"span_s": self.span_s, "points": points, "gpus": out}
 
 
-def claims_json(
-    inv: Inventory | None, claims: Mapping[str, Holder] | None, waiters: int | None
-) -> dict[str, Any]:
-    """The ``gpukit.claims/1`` document: who holds which GPU now, and how many wait in line.
-
-    ``claims: null`` and ``waiters: null`` when the lock folder could not be read."""
-    index = {}
-    if inv is not None:
-        for gpu in inv.gpus:
-            index[gpu.uuid] = gpu.index
-            for mig in gpu.mig_instances:
-                index[mig.uuid] = gpu.index
-    return {
-        "schema": CLAIMS_SCHEMA,
-        "claims": None
-        if claims is None
-        else [
-            {"uuid": uuid, "gpu": index.get(uuid), **holder.to_json()}
-            for uuid, holder in sorted(claims.items())
-        ],
-        "waiters": waiters,
-    }
-
-
-def _queue_snapshot() -> Callable[[Inventory], dict[str, Any]] | None:
-    """``gpukit queue``'s snapshot (schema ``gpukit.queue/1``) where this gpukit has it.
-
-    Read-only (``observe=False``): the server shows the line, it does not keep the idle ledger.
-    """
-    try:
-        module = importlib.import_module("gpukit.gpus.sharing")
-    except ImportError:
-        return None
-
-    def snapshot(inv: Inventory) -> dict[str, Any]:
-        return dict(module.sharing(inv, observe=False).to_json())
-
-    return snapshot
-
-
 def _dumps(payload: Any) -> bytes:
     return json.dumps(payload, default=str, separators=(",", ":")).encode()
 
@@ -212,8 +129,6 @@ class Sampler:
         interval: float = 2.0,
         *,
         read: Callable[[], Inventory] = inventory,
-        read_claims: Callable[[], Mapping[str, Holder]] = current_claims,
-        read_waiters: Callable[[], int] = count_waiters,
         host: str | None = None,
     ) -> None:
         if not interval > 0 or interval == float("inf"):
@@ -225,9 +140,6 @@ class Sampler:
         self.host = socket.gethostname() if host is None else host
         """The machine's name as the page shows it."""
         self._read = read
-        self._read_claims = read_claims
-        self._read_waiters = read_waiters
-        self._queue = _queue_snapshot()
         self.history = History()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -255,20 +167,17 @@ class Sampler:
             self._failure = exc
         if inv is not None and error is None:
             self.history.add(inv)
-        claims: dict[str, Holder] | None = None
-        waiters: int | None = None
+        queue = None
         lock_error = None
-        try:
-            claims = dict(self._read_claims())
-            waiters = self._read_waiters()
-        except GpukitError as exc:  # a refused lock folder: the GPUs are still worth showing
-            lock_error = f"Claims unknown: {exc.message}"
+        if inv is not None:
+            try:
+                # Read-only: the server shows the line and the holders; it keeps no idle ledger.
+                queue = sharing(inv, observe=False)
+            except GpukitError as exc:  # a refused lock folder: the GPUs are still worth showing
+                lock_error = f"Claims unknown: {exc.message}"
         now = time.time()
         inv_doc = None if inv is None else inv.to_json()
-        queue_doc = claims_json(inv, claims, waiters)
-        if self._queue is not None and inv is not None and lock_error is None:
-            with contextlib.suppress(GpukitError):  # the claims above still say who holds what
-                queue_doc = self._queue(inv)
+        queue_doc = queue.to_json() if queue is not None else {"error": lock_error or error}
         state = {
             "schema": STATE_SCHEMA,
             "host": self.host,
@@ -282,10 +191,9 @@ class Sampler:
         sample = Sample(
             taken_at=now,
             inventory=inv,
-            claims=claims,
-            waiters=waiters,
+            queue=queue,
             error=error,
-            metrics=exposition(inv, claims, waiters, ok=error is None),
+            metrics=exposition(inv, queue, ok=error is None),
             inventory_json=_dumps(inv_doc if inv_doc is not None else {"error": error}),
             queue_json=_dumps(queue_doc),
             state_json=_dumps(state),

@@ -124,9 +124,9 @@ function render(state) {
   error.hidden = !state.error;
   error.textContent = state.error ? "Last reading failed: " + state.error : "";
   const gpus = inv ? inv.gpus : [];
-  const claims = holders(queue, gpus);
+  const claims = holders(queue);
   const line = Array.isArray(queue.waiters) ? queue.waiters : null;
-  const count = line ? line.length : (queue.waiters ?? "?");
+  const count = line ? line.length : "?";
   const when = new Date(state.taken_at * 1000).toLocaleTimeString();
   const waiters = count === 1 ? "1 waiter" : count + " waiters";
   document.getElementById("summary").textContent =
@@ -144,35 +144,29 @@ function render(state) {
     ...gpus.map((g) => card(g, claims.get(g.index), history[g.uuid])));
 }
 
-// GPU index -> who holds it, from either document /api/queue serves: gpukit queue's snapshot
-// (gpukit.queue/1, holders by GPU index) or the claims alone (gpukit.claims/1, by UUID).
-function holders(queue, gpus) {
+// GPU index -> who holds it, from gpukit queue's snapshot (gpukit.queue/1). A document with an
+// error instead (the lock folder was refused as unsafe) holds no claims anyone could trust.
+function holders(queue) {
   const byIndex = new Map();
-  if (queue.schema === "gpukit.queue/1") {
-    for (const h of queue.holders) {
-      for (const index of h.gpus) if (index !== null) byIndex.set(index, h);
-    }
-  } else if (queue.claims) {
-    const byUuid = new Map(queue.claims.map((c) => [c.uuid, c]));
-    for (const g of gpus) if (byUuid.has(g.uuid)) byIndex.set(g.index, byUuid.get(g.uuid));
+  for (const h of queue.holders || []) {
+    for (const index of h.gpus) if (index !== null) byIndex.set(index, h);
   }
   return byIndex;
 }
 
 async function poll() {
-  let delay = 2000;
+  let state = null;
   try {
     const answer = await fetch("/api/state", { cache: "no-store" });
     if (!answer.ok) throw new Error("the server answered " + answer.status);
-    const state = await answer.json();
-    delay = Math.max(500, state.interval_s * 1000);
-    render(state);
+    state = await answer.json();
   } catch (err) {
     const error = document.getElementById("error");
     error.hidden = false;
     error.textContent = "Cannot reach gpukit serve (" + err.message + "); retrying.";
   }
-  setTimeout(poll, delay);
+  setTimeout(poll, state ? Math.max(500, state.interval_s * 1000) : 2000);
+  if (state) render(state); // outside the try: a bug here shows in the console, not as "unreachable"
 }
 
 poll();
