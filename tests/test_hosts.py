@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from gpukit.gpus.hosts import (
     read_hosts,
     ssh_command,
 )
-from gpukit.gpus.inventory import Inventory
+from gpukit.gpus.inventory import SCHEMA, Inventory
 
 from .hosts_fixture import NVIDIA_SMI_CSV, FakeHosts
 
@@ -93,6 +94,59 @@ def test_nvidia_smi_readings_it_cannot_give_become_none(missing: str) -> None:
 def test_any_garbage_from_a_host_becomes_its_error_never_an_exception(cells: list[str]) -> None:
     reading = parse_answer("h", ", ".join(cells))
     assert (reading.inventory is None) == (reading.error is not None)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_GPU_KEYS = [
+    "index",
+    "uuid",
+    "name",
+    "memory_total",
+    "memory_used",
+    "utilization_gpu",
+    "temperature_c",
+    "power_draw_w",
+    "processes",
+    "mig_instances",
+    "compute_capability",
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(_GPU_KEYS), _JSON), max_size=3), _JSON)
+def test_any_inventory_json_from_a_host_is_read_or_refused_never_an_exception(
+    gpus: list[dict[str, object]], driver: object
+) -> None:
+    payload = {"schema": SCHEMA, "gpus": gpus, "driver_version": driver}
+    reading = parse_answer("h", json.dumps(payload))
+    assert (reading.inventory is None) == (reading.error is not None)
+    if reading.inventory is not None:  # what is kept can be shown
+        from gpukit.cli._gpu_table import build_hosts_table
+
+        build_hosts_table([reading])
+
+
+@pytest.mark.parametrize(
+    "gpu",
+    [
+        {"index": 0, "uuid": "GPU-a", "name": 5},
+        {"index": "0", "uuid": "GPU-a", "name": "T4"},
+        {"index": 0, "uuid": "GPU-a", "name": "T4", "memory_used": "lots"},
+        {"index": 0, "uuid": "GPU-a", "name": "T4", "processes": [{"pid": "x"}]},
+        {"index": 0, "uuid": "GPU-a", "name": "T4", "processes": [5]},
+    ],
+)
+def test_an_inventory_with_readings_of_the_wrong_type_is_refused(gpu: dict[str, object]) -> None:
+    reading = parse_answer("h", json.dumps({"schema": SCHEMA, "gpus": [gpu]}))
+    assert reading.inventory is None
+    assert reading.error is not None
+    assert reading.error.startswith("unreadable answer (its gpukit ")
 
 
 @pytest.mark.parametrize(

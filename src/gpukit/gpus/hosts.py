@@ -225,6 +225,63 @@ def _claims(payload: Mapping[str, Any]) -> dict[str, Holder]:
     return claims
 
 
+_INT = (int,)
+_NUMBER = (int, float)
+_TEXT = (str,)
+# What each reading of another machine's inventory must be (or None), before anything shows it.
+_GPU_FIELDS = {
+    "index": _INT,
+    "uuid": _TEXT,
+    "name": _TEXT,
+    "pci_bus_id": _TEXT,
+    "memory_total": _INT,
+    "memory_used": _INT,
+    "memory_free": _INT,
+    "memory_reserved": _INT,
+    "utilization_gpu": _NUMBER,
+    "utilization_memory": _NUMBER,
+    "temperature_c": _NUMBER,
+    "power_draw_w": _NUMBER,
+    "power_limit_w": _NUMBER,
+    "error": _TEXT,
+}
+_MIG_FIELDS = {
+    "index": _INT,
+    "uuid": _TEXT,
+    "name": _TEXT,
+    "memory_total": _INT,
+    "memory_used": _INT,
+}
+_PROCESS_FIELDS = {"pid": _INT, "user": _TEXT, "command": _TEXT, "used_memory": _INT}
+_REQUIRED = {"index", "uuid", "name", "pid"}
+
+
+def _check(item: object, fields: Mapping[str, tuple[type, ...]], what: str) -> None:
+    for name, kinds in fields.items():
+        value = getattr(item, name)
+        if value is None and name not in _REQUIRED:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise InvalidArgumentError(f"its gpukit gave a {what} {name} of {value!r}.")
+
+
+def _check_inventory(inv: Inventory) -> Inventory:
+    """``inv``, once every reading the table shows has its type: another machine wrote it."""
+    for gpu in inv.gpus:
+        _check(gpu, _GPU_FIELDS, "GPU")
+        for mig in gpu.mig_instances:
+            _check(mig, _MIG_FIELDS, "MIG instance")
+            for p in mig.processes:
+                _check(p, _PROCESS_FIELDS, "process")
+        for p in gpu.processes:
+            _check(p, _PROCESS_FIELDS, "process")
+    for name in ("driver_version", "cuda_driver_version"):
+        value = getattr(inv, name)
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgumentError(f"its gpukit gave a {name} of {value!r}.")
+    return inv
+
+
 def parse_answer(host: str, stdout: str) -> HostReading:
     """Turn a host's standard output (gpukit JSON or nvidia-smi CSV) into a reading."""
     text = stdout.strip()
@@ -236,7 +293,13 @@ def parse_answer(host: str, stdout: str) -> HostReading:
                 raise InvalidArgumentError(f"its gpukit answered broken JSON ({exc}).") from exc
             if not isinstance(payload, dict):
                 raise InvalidArgumentError("its gpukit answered JSON that is not an inventory.")
-            inv = Inventory.from_json(payload)
+            try:
+                inv = _check_inventory(Inventory.from_json(payload))
+            except (ArithmeticError, AttributeError, LookupError, TypeError, ValueError) as exc:
+                # from_json trusts its writer's shapes; another machine's answer earns no trust.
+                raise InvalidArgumentError(
+                    f"its gpukit answered a malformed inventory ({exc!r})."
+                ) from exc
             return HostReading(host, inv, claims=_claims(payload), via="gpukit")
         return HostReading(host, parse_nvidia_smi_csv(text), via="nvidia-smi")
     except GpukitError as exc:
