@@ -19,7 +19,7 @@ from torch import nn
 
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import InvalidArgumentError, check_bool
 
 T = TypeVar("T")
 KeyPath = tuple[Any, ...]
@@ -257,7 +257,8 @@ def to_device(
     >>> to_device(batch, "cpu") is batch
     True
     """
-    if non_blocking not in (True, False, "auto"):
+    check_bool("pin", pin)
+    if non_blocking != "auto" and non_blocking is not True and non_blocking is not False:
         raise InvalidArgumentError(
             f"non_blocking={non_blocking!r} is not understood.", hint='Use True, False or "auto".'
         )
