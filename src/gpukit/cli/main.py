@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors on exit code 2 and a pointer to --help."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(ExitCode.USAGE, f"gpukit: error: {message}\nTry '{self.prog} --help'.\n")
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\nTry '{self.prog} --help'.\n")
 
 
 def _command_module(name: str) -> ModuleType:
@@ -76,6 +76,14 @@ def _selected(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _os_error(exc: OSError) -> str:
+    where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+    return (
+        f"{where}: {exc.strerror or exc}. Check the path, that its folder exists and that you "
+        "may read or write it."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpukit`` with ``argv`` (default: the process arguments) and return the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -98,3 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `gpukit list | head`: the reader left; not our failure
         return ExitCode.OK
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        # A file or folder the user named that the system refused (a last resort: commands
+        # check their paths before working, so this is rare): a usage error, not a traceback.
+        print(f"gpukit {args.command}: {_os_error(exc)}", file=sys.stderr)
+        return ExitCode.USAGE
