@@ -119,3 +119,8 @@ def test_a_bad_number_is_a_two_line_usage_error_naming_the_option(
     assert err.startswith(f"gpukit {argv[0]}: error: argument {named}: ")
     assert err.endswith(f"Try 'gpukit {argv[0]} --help'.\n")
     assert len(err.splitlines()) == 2
+
+
+def test_an_output_file_name_too_long_for_the_system_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="File name too long"):
+        OutputFile()(str(tmp_path / ("9" * 400)))

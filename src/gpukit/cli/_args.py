@@ -35,9 +35,12 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 _REAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 24 else text[:20] + f"... ({len(text)} characters)")
+
+
 def _refuse(text: str, what: str) -> argparse.ArgumentTypeError:
-    shown = text if len(text) <= 24 else text[:20] + f"... ({len(text)} characters)"
-    return argparse.ArgumentTypeError(f"{shown!r} is not {what}.")
+    return argparse.ArgumentTypeError(f"{_shown(text)} is not {what}.")
 
 
 def _real(text: str, what: str) -> float:
@@ -123,22 +126,31 @@ class OutputFile:
     def __call__(self, text: str) -> str:
         if not text or "\0" in text:
             raise argparse.ArgumentTypeError(f"{text!r} is not a file name.")
-        path = Path(text)
+        try:
+            problem = self._problem(Path(text))
+        except OSError as exc:  # a name too long, a loop of links...
+            problem = f"cannot write {_shown(text)}: {exc.strerror or exc}."
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return text
+
+    @staticmethod
+    def _problem(path: Path) -> str | None:
         folder = path.parent
         if path.is_dir():
-            raise argparse.ArgumentTypeError(
-                f"{text} is an existing folder, and the output is one file: name a file, e.g. "
+            return (
+                f"{path} is an existing folder, and the output is one file: name a file, e.g. "
                 f"{path / 'out'}."
             )
         if not folder.is_dir():
             what = "is not a folder" if folder.exists() else "does not exist"
-            raise argparse.ArgumentTypeError(
-                f"cannot write {text}: the folder {folder} {what}. Create it first, or name "
-                "a file in an existing folder."
+            return (
+                f"cannot write {path}: the folder {folder} {what}. Create it first, or name a "
+                "file in an existing folder."
             )
         if not os.access(folder, os.W_OK | os.X_OK):
-            raise argparse.ArgumentTypeError(
-                f"cannot write {text}: the folder {folder} is not writable by you. Name a file "
+            return (
+                f"cannot write {path}: the folder {folder} is not writable by you. Name a file "
                 "in a folder you can write."
             )
-        return text
+        return None
