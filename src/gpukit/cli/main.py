@@ -67,6 +67,14 @@ def build_parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser
+
+
 def _selected(argv: Sequence[str]) -> str | None:
     for arg in argv:
         if arg in COMMANDS:
@@ -92,7 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args_list:
         parser.print_help()
         return ExitCode.OK
-    args = parser.parse_args(args_list)
+    args, extra = parser.parse_known_args(args_list)
+    if extra:  # said by the command's own parser, so that the message names the command
+        command_parser = _subparser(parser, args.command) if args.command else parser
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return ExitCode.USAGE
