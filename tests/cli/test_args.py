@@ -124,3 +124,13 @@ def test_a_bad_number_is_a_two_line_usage_error_naming_the_option(
 def test_an_output_file_name_too_long_for_the_system_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="File name too long"):
         OutputFile()(str(tmp_path / ("9" * 400)))
+
+
+def test_an_output_file_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> None:
+    # A co-user's link in /tmp would otherwise make gpukit overwrite the file it points at.
+    mine = tmp_path / "bashrc"
+    mine.write_text("keep me")
+    (tmp_path / "b.json").symlink_to(mine)
+    with pytest.raises(argparse.ArgumentTypeError, match="is a symbolic link"):
+        OutputFile()(str(tmp_path / "b.json"))
+    assert mine.read_text() == "keep me"

@@ -89,3 +89,16 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
     assert main(["bench", "--plot", str(tmp_path / "b.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
     assert ran == []
+
+
+def test_the_json_is_never_written_through_a_link_planted_after_the_check(tmp_path: Path) -> None:
+    from gpukit.cli.bench import _write_new_or_own
+
+    mine = tmp_path / "bashrc"
+    mine.write_text("keep me")
+    (tmp_path / "b.json").symlink_to(mine)
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        _write_new_or_own(str(tmp_path / "b.json"), "{}")
+    assert mine.read_text() == "keep me"
+    _write_new_or_own(str(tmp_path / "c.json"), "{}")
+    assert (tmp_path / "c.json").read_text() == "{}"

@@ -120,7 +120,7 @@ class OutputFile:
     """A file the command will write at the end: its folder must exist and be writable now.
 
     Checked when the arguments are parsed, so a typo in a folder name is found before a long
-    run, not after it. An existing folder at the path itself is refused too.
+    run, not after it. An existing folder or symbolic link at the path itself is refused too.
     """
 
     def __call__(self, text: str) -> str:
@@ -137,6 +137,13 @@ class OutputFile:
     @staticmethod
     def _problem(path: Path) -> str | None:
         folder = path.parent
+        if path.is_symlink():
+            # In a folder others can write (/tmp), a link may have been planted to make gpukit
+            # overwrite one of your files through it.
+            return (
+                f"{path} is a symbolic link, and gpukit does not write through links. Name the "
+                "file itself, or remove the link."
+            )
         if path.is_dir():
             return (
                 f"{path} is an existing folder, and the output is one file: name a file, e.g. "

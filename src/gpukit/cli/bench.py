@@ -6,9 +6,9 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpukit.cli._args import OutputFile
@@ -105,6 +105,13 @@ def _plot(results: Sequence[BenchResult], path: str) -> None:
     plt.close(fig)
 
 
+def _write_new_or_own(path: str, text: str) -> None:
+    # O_NOFOLLOW: a link planted at the path since the arguments were checked is not followed.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen suites with a progress bar, then print and optionally save the results."""
     from rich.progress import Progress
@@ -157,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             "results": [r.to_json() for r in results],
             "skipped": skipped,
         }
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        _write_new_or_own(args.json, json.dumps(payload, indent=2) + "\n")
     if args.plot:
         _plot(results, args.plot)
     return 0
