@@ -152,7 +152,7 @@ def check_bool(name: str, value: object, *, allow_none: bool = False) -> None:
     Python treats any non-empty string as true, so ``load(model, path, trust="no")`` would
     trust the file; gpukit's switches accept real booleans only.
 
-    >>> check_bool("trust", "no")
+    >>> check_bool("trust", "no")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     gpukit.errors.InvalidArgumentError: trust='no' (a str) is not True or False. ...
     """

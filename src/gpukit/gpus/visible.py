@@ -324,8 +324,10 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
     """Make only ``ids`` visible to CUDA in this process, numbered in PCI (nvidia-smi) order.
 
     Sets CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, so integer ids mean what
-    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once CUDA has
-    started here, where CUDA would silently ignore the change.
+    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once the CUDA
+    driver has started in this process, by any route (``torch.cuda.is_available()`` starts it
+    while ``torch.cuda.is_initialized()`` stays False), where CUDA would silently ignore the
+    change.
 
     >>> set_visible_devices("GPU-6513270e")       # a UUID, or a unique prefix of one
     'GPU-6513270e'
