@@ -84,3 +84,12 @@ def test_a_save_suffix_gpukit_cannot_write_is_refused_before_training(
 ) -> None:
     assert main(["demo", "--save", str(tmp_path / "digits.txt")]) == 2
     assert "'.txt' is not one it knows" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("no_training")
+@pytest.mark.parametrize("devices", ["", ",", " , "])
+def test_a_devices_list_that_names_no_device_is_refused(
+    devices: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--devices", devices]) == 2
+    assert "names no device" in capsys.readouterr().err

@@ -52,9 +52,15 @@ def _devices(args: argparse.Namespace) -> tuple[str, ...] | None:
             )
         replicas: int = args.replicas
         return ("cpu",) * replicas
-    if args.devices:
+    if args.devices is not None:
         listed: str = args.devices
-        return tuple(d.strip() for d in listed.split(",") if d.strip())
+        devices = tuple(d.strip() for d in listed.split(",") if d.strip())
+        if not devices:  # "" or ",": not a request for the default devices
+            raise InvalidArgumentError(
+                f"--devices {listed!r} names no device.",
+                hint="List devices with commas, e.g. --devices cpu,cpu, or leave it out.",
+            )
+        return devices
     return None
 
 
