@@ -50,12 +50,7 @@ def _tokens(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _command_parser(command: str) -> argparse.ArgumentParser:
-    parser = cli_main.build_parser(command)
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            sub: argparse.ArgumentParser = action.choices[command]
-            return sub
-    raise AssertionError(command)
+    return cli_main._subparser(cli_main.build_parser(command), command)
 
 
 def _argv(command: str) -> st.SearchStrategy[list[str]]:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from gpukit.cli.main import COMMANDS, build_parser
+from gpukit.cli.main import COMMANDS, _subparser, build_parser
 from tests.conftest import ROOT
 
 
@@ -26,11 +26,10 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 def test_the_readme_names_every_option_of_the_command(command: str) -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## The command line") : readme.index("### Exit codes")]
-    parser = build_parser(command)
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parser = _subparser(build_parser(command), command)
     missing = sorted(
         option
-        for option in _options(sub.choices[command])
+        for option in _options(parser)
         if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", section)
     )
     assert f"`gpukit {command}" in section
