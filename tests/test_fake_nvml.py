@@ -120,3 +120,19 @@ def test_checking_any_json_never_fails_with_anything_but_a_list_of_problems(data
     problems = check_description(data)
     assert isinstance(problems, list)
     assert all(isinstance(p, str) for p in problems)
+
+
+def test_a_fifo_as_the_description_is_refused_instead_of_hanging(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "machine.json"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgumentError, match="is not a regular file"):
+        load_description(fifo)
+
+
+def test_a_description_that_is_not_utf8_json_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "machine.json"
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.raises(InvalidArgumentError, match="does not name a readable machine"):
+        load_description(path)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -85,10 +86,22 @@ def _is_name(value: str) -> bool:
     return "/" not in value and os.sep not in value and not value.endswith(".json")
 
 
+def _read_regular_file(path: str) -> str:
+    # O_NONBLOCK, then fstat: a FIFO or a device would otherwise make every command hang.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidArgumentError(
+                f"{ENV_VAR}={path} is not a regular file.",
+                hint="Point it at a JSON machine description file, or a bundled machine's name.",
+            )
+        return file.read().decode("utf-8")
+
+
 def _read(path: str | Path) -> str:
     text = str(path)
     if not _is_name(text):
-        return Path(path).read_text(encoding="utf-8")
+        return _read_regular_file(text)
     if text not in bundled_machines():
         raise InvalidArgumentError(
             f"{ENV_VAR}={text} is neither a machine gpukit ships nor a path.",
