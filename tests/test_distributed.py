@@ -335,3 +335,60 @@ def test_launch_refuses_a_function_spawned_processes_cannot_receive() -> None:
 def test_all_reduce_mean_refuses_what_is_not_a_tensor_or_number(value: object) -> None:
     with pytest.raises(InvalidArgumentError, match="a tensor or a number"):
         dist.all_reduce_mean(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["bogus", "", 3, "NCCL2"])
+def test_init_refuses_a_backend_torch_does_not_know(backend: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"backend={backend!r} is not a torch"):
+        dist.init(backend=backend)  # type: ignore[arg-type]
+
+
+def test_a_function_defined_in_python_c_is_refused_before_any_worker_starts() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    code = (
+        "import gpukit as gk\n"
+        "from gpukit import distributed as dist\n"
+        "def f(): return 1\n"
+        "try:\n"
+        "    dist.launch(f, 2)\n"
+        "except gk.InvalidArgumentError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "defined in `python -c`, a notebook cell or the REPL" in out
+    assert 'start_method="fork"' in out
+
+
+def test_a_result_that_cannot_be_pickled_is_named_with_its_type() -> None:
+    import threading
+
+    from gpukit.distributed.launcher import _check_result_travels
+
+    _check_result_travels(len, {"loss": [0.5], "weights": torch.zeros(2)})
+    with pytest.raises(InvalidArgumentError, match="returned a generator, which cannot be sent"):
+        _check_result_travels(len, (i for i in range(2)))
+    with pytest.raises(InvalidArgumentError, match="returned a lock"):
+        _check_result_travels(len, threading.Lock())
+
+
+def test_a_rank_that_exited_before_starting_is_reported_as_unable_to_load_the_function(
+    tmp_path: Path,
+) -> None:
+    from types import SimpleNamespace
+
+    failure = SimpleNamespace(exitcode=1, pid=42, signal_name=lambda: "")
+    (tmp_path / "1.start").touch()  # rank 1 reached fn; rank 0 never did
+    texts = dict((rank, text) for rank, text, _ in _failures({0: failure, 1: failure}, tmp_path))
+    assert "could not load it or its arguments" in texts[0]
+    assert "without a Python error" in texts[1]

@@ -205,3 +205,20 @@ def test_two_torchrun_nodes_with_a_c10d_rendezvous_train_together(tmp_path: Path
     ]
     assert results[0]["weights"] == pytest.approx(results[1]["weights"], abs=1e-6)
     _assert_all_gone(_pids(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("unloadable", "before running the function: the worker could not load it"),
+        ("unpicklable", "'returns_a_lock' returned a lock, which cannot be sent back"),
+    ],
+)
+def test_launch_says_why_when_a_function_cannot_travel_to_workers_or_its_result_back(
+    mode: str, says: str
+) -> None:
+    done = _script("launch_mistakes.py", mode, timeout=120)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert says in done.stdout
+    if mode == "unloadable":
+        assert 'start_method="fork" works in notebooks' in done.stdout

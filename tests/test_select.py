@@ -232,3 +232,30 @@ def test_pick_skips_a_lost_gpu_and_says_why(
     assert [g.index for g in gk.pick(1)] == [0]
     with pytest.raises(NoGpuAvailableError, match=r"GPU 1: unreadable by NVML \(GPU is lost\)"):
         gk.pick(2)
+
+
+@pytest.mark.parametrize(
+    ("criteria", "says"),
+    [
+        ({"min_free": float("nan")}, "nan is not a memory size"),
+        ({"min_free": float("inf")}, "inf is not a memory size"),
+        ({"min_free": "9" * 400}, "is more memory than any GPU has"),
+        ({"min_free": 2**101}, "is more memory than any GPU has"),
+        ({"min_free": "²GiB"}, "Cannot read '²GiB' as a memory size"),
+        ({"min_free": [8]}, "[8] is not a memory size"),
+        ({"max_util": float("nan")}, "max_util=nan is not a percentage"),
+        ({"max_util": "10"}, "max_util=10 is not a percentage"),
+        ({"max_util": True}, "max_util=True is not a percentage"),
+    ],
+)
+def test_pick_refuses_criteria_that_are_not_numbers_with_a_typed_error(
+    criteria: dict[str, object], says: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        gk.pick(1, claims={}, **criteria)  # type: ignore[arg-type]
+    assert says in caught.value.message
+
+
+def test_a_size_of_four_hundred_digits_is_read_exactly_not_as_infinity() -> None:
+    assert parse_size("1" + "0" * 29) == 10**29
+    assert parse_size("1.5GiB") == 3 * 2**29

@@ -33,7 +33,12 @@ from gpukit.checkpoint.keys import (
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.devices import DeviceLike, device, module_device
-from gpukit.errors import CheckpointError, InvalidArgumentError, MixedDevicesError
+from gpukit.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    MixedDevicesError,
+    check_bool,
+)
 
 __all__ = ["LoadReport", "clean_state_dict", "load", "save"]
 
@@ -204,6 +209,8 @@ def load(
             f"gk.load loads into a model (an nn.Module), and was given a {type(model).__name__}.",
             hint="Call gk.load(model, path): the model comes first, the file second.",
         )
+    check_bool("strict", strict)
+    check_bool("trust", trust)
     inner, _ = unwrap(model)
     target = _target(inner, map_location)
     raw = read(Path(path), target=target, trust=trust)

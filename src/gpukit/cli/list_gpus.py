@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from gpukit.cli._args import Seconds
 from gpukit.cli._gpu_table import build_table
 from gpukit.cli._lock_folder import LockFolderState, read_lock_folder
 from gpukit.cli._output import na, print_json
@@ -29,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--watch",
         nargs="?",
-        type=float,
+        type=Seconds(positive=True),
         const=2.0,
         default=None,
         metavar="SECONDS",

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from gpukit.cli._args import Number, Seconds
 from gpukit.cli._criteria import add_criteria, criteria_from, excluded
 from gpukit.cli._launch import launch
 from gpukit.cli._output import print_error, say_if_fake
@@ -43,13 +44,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     waiting.add_argument("--wait", action="store_true", help="wait in line until the GPUs are free")
     waiting.add_argument(
         "--timeout",
-        type=float,
+        type=Seconds(),
         metavar="S",
         help="give up after S seconds of waiting: exit 124 (implies --wait)",
     )
     waiting.add_argument(
         "--settle",
-        type=int,
+        type=Number(1, 1_000_000),
         default=3,
         metavar="K",
         help="with --wait, GPUs must qualify K polls in a row, as a neighbour may still be "
@@ -57,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     waiting.add_argument(
         "--poll",
-        type=float,
+        type=Seconds(positive=True),
         default=None,
         metavar="S",
         help=f"seconds between polls (2, or ${POLL_VAR})",

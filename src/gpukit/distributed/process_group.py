@@ -95,6 +95,21 @@ def _pick(launch_env: LaunchEnv, backend: str | None) -> tuple[str, torch.device
     return chosen, torch.device("cpu")
 
 
+def _check_backend(backend: object) -> None:
+    """Refuse a backend torch does not know, even where no launcher would have used it."""
+    if backend is None:
+        return
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    # "cpu:gloo,cuda:nccl" names a backend per device type; torch checks each part itself.
+    if isinstance(backend, str) and (backend.lower() in known or ":" in backend):
+        return
+    raise InvalidArgumentError(
+        f"backend={backend!r} is not a torch.distributed backend.",
+        hint=f"Use one of {', '.join(known)}, or leave it out: gpukit picks nccl when every "
+        "process has a GPU, gloo otherwise.",
+    )
+
+
 def init(
     backend: str | None = None, *, timeout: datetime.timedelta | None = None
 ) -> DistributedContext:
@@ -109,6 +124,7 @@ def init(
     1
     """
     global _context
+    _check_backend(backend)
     if _context is not None and (_context.distributed == dist.is_initialized()):
         return _context
     launch_env = read_env()

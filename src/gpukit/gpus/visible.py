@@ -12,12 +12,13 @@ integers in that variable count in CUDA's own order, which is *fastest first* un
 whose GPUs differ, the two disagree, and the "GPU 0" of a training script is not nvidia-smi's
 GPU 0. This module says so instead of guessing silently.
 
-Nothing here imports torch: whether CUDA has started is asked of torch only when the program
-has already imported it.
+Nothing here imports torch: whether CUDA has started is asked of the CUDA driver library, and
+of torch only when the program has already imported it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from collections.abc import Iterable
@@ -258,11 +259,47 @@ def physical_index(i: int, inventory: Inventory | None = None) -> int:
     return devices[i].nvml_index
 
 
+_CUDA_ERROR_NOT_INITIALIZED = 3
+_DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def _loaded_cuda_driver() -> Any:
+    """The CUDA driver library if this process has already loaded it, else ``None``.
+
+    Never loads it: ``RTLD_NOLOAD`` only finds a library that is already there.
+    """
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if noload is None:  # not Linux: CUDA's driver is not a shared object found this way
+        return None
+    try:
+        return ctypes.CDLL(_DRIVER_LIBRARY, mode=noload | os.RTLD_LAZY)
+    except OSError:
+        return None
+
+
+def _driver_started() -> bool:
+    """Whether the CUDA driver has been initialised (``cuInit``) in this process, by any route.
+
+    ``torch.cuda.is_available()`` and ``device_count()`` start the driver through
+    ``cudaGetDeviceCount`` while ``torch.cuda.is_initialized()`` stays False, and the driver reads
+    CUDA_VISIBLE_DEVICES only then. ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED until
+    ``cuInit`` ran, and starts nothing itself; any other answer (a count, or the error that
+    ``cuInit`` met) means the driver has read the variable already.
+    """
+    driver = _loaded_cuda_driver()
+    if driver is None:  # the driver is not even loaded, so nothing has started it
+        return False
+    count = ctypes.c_int(0)
+    return int(driver.cuDeviceGetCount(ctypes.byref(count))) != _CUDA_ERROR_NOT_INITIALIZED
+
+
 def _cuda_initialized() -> bool:
     # Importing torch here would cost seconds and cannot matter: if the program has not
     # imported torch, nothing in it can have started CUDA through torch.
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    return _driver_started()
 
 
 def _as_entry(item: object) -> Entry:
@@ -287,8 +324,10 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
     """Make only ``ids`` visible to CUDA in this process, numbered in PCI (nvidia-smi) order.
 
     Sets CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, so integer ids mean what
-    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once CUDA has
-    started here, where CUDA would silently ignore the change.
+    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once the CUDA
+    driver has started in this process, by any route (``torch.cuda.is_available()`` starts it
+    while ``torch.cuda.is_initialized()`` stays False), where CUDA would silently ignore the
+    change.
 
     >>> set_visible_devices("GPU-6513270e")       # a UUID, or a unique prefix of one
     'GPU-6513270e'
@@ -316,7 +355,8 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
         raise CudaAlreadyInitializedError(
             f"Cannot set {VAR}={value}: CUDA has already started in this process (with "
             f"{VAR}={current[0]}), so the change would be silently ignored.",
-            hint="Set it before the first CUDA call, or start a new process with it, e.g. "
+            hint="Set it before the first CUDA call (torch.cuda.is_available() is one; "
+            "gk.device and gk.try_gpu are not), or start a new process with it, e.g. "
             f"`gpukit run` or `{VAR}={value} python train.py`.",
         )
     os.environ[ORDER_VAR] = "PCI_BUS_ID"
