@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, Weig
 
 from gpukit import distributed as dist
 from gpukit.distributed.data import kept_mask, per_device_size
-from gpukit.distributed.env import read_env
 from gpukit.distributed.launcher import _failures
 from gpukit.errors import DistributedError, InvalidArgumentError
 
@@ -47,41 +46,21 @@ def _ids_loader(n: int, *, shuffle: bool = False, batch_size: int = 4) -> DataLo
     return DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, shuffle=shuffle)
 
 
-def test_read_env_takes_ranks_from_torchrun_variables() -> None:
-    env = read_env(TORCHRUN)
+def test_environment_takes_ranks_from_torchrun_variables() -> None:
+    env = dist.environment(TORCHRUN)
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
     assert env.source == "torchrun"
 
 
-def test_read_env_takes_ranks_from_slurm_when_torchrun_did_not_set_them() -> None:
-    env = read_env(
-        {
-            "SLURM_PROCID": "5",
-            "SLURM_NTASKS": "8",
-            "SLURM_LOCALID": "1",
-            "SLURM_TASKS_PER_NODE": "4(x2)",
-            "MASTER_ADDR": "node1",
-            "MASTER_PORT": "29500",
-        }
-    )
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
-    assert env.source == "slurm"
-
-
-def test_read_env_under_slurm_without_master_addr_says_how_to_set_it() -> None:
+def test_environment_under_slurm_without_a_node_list_or_master_addr_says_what_is_missing() -> None:
     with pytest.raises(DistributedError, match="MASTER_ADDR") as info:
-        read_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"})
-    assert "scontrol show hostnames" in str(info.value)
+        dist.environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"})
+    assert "SLURM_JOB_NODELIST" in str(info.value)
 
 
-def test_read_env_rejects_a_rank_outside_the_world() -> None:
+def test_environment_rejects_a_rank_outside_the_world() -> None:
     with pytest.raises(DistributedError, match="rank 4 does not fit"):
-        read_env({**TORCHRUN, "RANK": "4"})
-
-
-def test_read_env_without_a_launcher_is_rank_0_of_1() -> None:
-    env = read_env({})
-    assert (env.rank, env.world_size, env.launched) == (0, 1, False)
+        dist.environment({**TORCHRUN, "RANK": "4"})
 
 
 def test_init_without_a_launcher_is_a_single_process_on_the_auto_device() -> None:
@@ -268,11 +247,11 @@ def test_prepare_refuses_objects_that_are_not_a_model_optimizer_or_loader(
         ),
     ],
 )
-def test_read_env_names_a_local_rank_variable_that_is_not_an_integer(
+def test_environment_names_a_local_rank_variable_that_is_not_an_integer(
     env: dict[str, str], name: str
 ) -> None:
     with pytest.raises(DistributedError, match=f"{name}=.* is not an integer"):
-        read_env(env)
+        dist.environment(env)
 
 
 def test_prepare_given_both_batch_sizes_says_both_even_when_one_is_zero() -> None:

@@ -14,11 +14,13 @@ The same script runs with ``python train.py`` (one process, nothing to set up) a
             opt.zero_grad(); loss.backward(); opt.step()   # DDP averages the gradients
         dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss):.3f}")
 
-Process groups, rendezvous and launching are torch.distributed's and torchrun's; this module
-only reads their environment, picks the backend and device, and wires the model and data.
+Process groups, rendezvous and launching are torch.distributed's and torchrun's, under the
+cluster's own scheduler; this module only reads the job's environment (torchrun, Slurm, Open
+MPI, SkyPilot: :func:`environment`), picks the backend and device, and wires the model and data.
 """
 
 from gpukit.distributed.data import DistributedLoader
+from gpukit.distributed.environment import Environment, environment, torchrun_args
 from gpukit.distributed.launcher import free_port, launch
 from gpukit.distributed.process_group import (
     DistributedContext,
@@ -38,8 +40,10 @@ from gpukit.distributed.process_group import (
 __all__ = [
     "DistributedContext",
     "DistributedLoader",
+    "Environment",
     "all_reduce_mean",
     "barrier",
+    "environment",
     "free_port",
     "gather_for_metrics",
     "get_logger",
@@ -50,5 +54,6 @@ __all__ = [
     "prepare",
     "print_main",
     "rank",
+    "torchrun_args",
     "world_size",
 ]

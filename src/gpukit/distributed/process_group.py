@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from gpukit.devices import device as _auto_device
 from gpukit.distributed.data import DistributedLoader, active_loader, per_device_size
-from gpukit.distributed.env import LaunchEnv, read_env
+from gpukit.distributed.environment import Environment, check_devices, environment
 from gpukit.errors import DistributedError, InvalidArgumentError
 from gpukit.transfer import to_device
 
@@ -70,28 +70,20 @@ class DistributedContext:
 _context: DistributedContext | None = None
 
 
-def _cuda_per_process(launch_env: LaunchEnv) -> bool:
-    # NCCL needs a GPU of its own for each process on this machine; with fewer GPUs than
-    # processes every rank falls back to gloo on CPU, so that all ranks agree on the backend.
-    return (
-        torch.cuda.is_available()
-        and torch.cuda.device_count() >= launch_env.local_world_size
-        and dist.is_nccl_available()
-    )
-
-
-def _pick(launch_env: LaunchEnv, backend: str | None) -> tuple[str, torch.device]:
-    has_cuda = _cuda_per_process(launch_env)
-    chosen = backend or ("nccl" if has_cuda else "gloo")
-    if chosen == "nccl" and not has_cuda:
-        raise DistributedError(
-            f"backend 'nccl' was asked for {launch_env.local_world_size} processes on this "
-            f"machine, but it has {torch.cuda.device_count()} usable CUDA devices.",
-            hint="Start at most one process per GPU (--nproc-per-node), or use backend='gloo'.",
-        )
-    if has_cuda:
-        return chosen, torch.device("cuda", launch_env.local_rank)
-    return chosen, torch.device("cpu")
+def _pick(found: Environment, backend: str | None) -> tuple[str, torch.device]:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "gloo" or count == 0 or not dist.is_nccl_available():
+        if backend == "nccl":
+            raise DistributedError(
+                f"backend 'nccl' was asked for, but this process sees {count} usable CUDA "
+                "devices" + ("" if count else " (CUDA_VISIBLE_DEVICES, driver)") + ".",
+                hint="Run on GPUs, or use backend='gloo'.",
+            )
+        return backend or "gloo", torch.device("cpu")
+    # A local rank beyond this process's GPUs would wait forever for a peer that never joins:
+    # say so now, naming the variables, instead of falling back or hanging in the rendezvous.
+    check_devices(found, count, "CUDA (torch.cuda.device_count())")
+    return backend or "nccl", torch.device("cuda", found.cuda_index)
 
 
 def init(
@@ -99,10 +91,14 @@ def init(
 ) -> DistributedContext:
     """Join the process group the launcher prepared, or return a one-process context.
 
-    Reads torchrun's (or SLURM srun's) environment; picks NCCL when each process of this
-    machine has a CUDA device, gloo otherwise; gives process ``local_rank`` the device
-    ``cuda:<local_rank>``. Without a launcher it starts nothing and returns rank 0 of 1 on
-    ``gk.device("auto")``. Calling it again returns the same context.
+    Reads the job from :func:`~gpukit.distributed.environment.environment` (torchrun, Slurm's
+    ``srun``, Open MPI, SkyPilot), so ``srun python train.py`` needs nothing exported by hand;
+    picks NCCL when this process sees a CUDA device, gloo otherwise; gives the process the
+    device ``cuda:<local_rank>`` (``cuda:0`` when the scheduler bound each task to its own
+    GPUs). A local rank beyond the GPUs this process sees fails at once with a
+    :class:`~gpukit.errors.DistributedError` naming the variables. Without a launcher it starts
+    nothing and returns rank 0 of 1 on ``gk.device("auto")``. Calling it again returns the
+    same context.
 
     >>> init().world_size            # plain `python script.py`
     1
@@ -110,7 +106,7 @@ def init(
     global _context
     if _context is not None and (_context.distributed == dist.is_initialized()):
         return _context
-    launch_env = read_env()
+    launch_env = environment()
     if dist.is_initialized():  # someone else set the group up: describe it, do not redo it
         group_backend = str(dist.get_backend())
         dev = (
@@ -136,7 +132,7 @@ def init(
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(
         chosen,
-        init_method="env://",
+        init_method=_init_method(launch_env),
         rank=launch_env.rank,
         world_size=launch_env.world_size,
         **kwargs,
@@ -152,6 +148,16 @@ def init(
     return _context
 
 
+def _init_method(found: Environment) -> str:
+    # torchrun's workers may share the agent's store, which only env:// knows how to find;
+    # elsewhere the address and port come from the job, not from exported variables.
+    if found.source == "torchrun":
+        return "env://"
+    host = found.master_addr or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{found.master_port}"
+
+
 def _ready() -> DistributedContext:
     """The context, joining the group first when a launcher started us and nobody called init()."""
     return init()
@@ -159,17 +165,17 @@ def _ready() -> DistributedContext:
 
 def rank() -> int:
     """This process's global rank (0 when not launched distributed)."""
-    return dist.get_rank() if dist.is_initialized() else read_env().rank
+    return dist.get_rank() if dist.is_initialized() else environment().rank
 
 
 def local_rank() -> int:
     """This process's rank on its machine, which is also its GPU index."""
-    return read_env().local_rank
+    return environment().local_rank
 
 
 def world_size() -> int:
     """How many processes take part in the run (1 when not launched distributed)."""
-    return dist.get_world_size() if dist.is_initialized() else read_env().world_size
+    return dist.get_world_size() if dist.is_initialized() else environment().world_size
 
 
 def is_main() -> bool:
