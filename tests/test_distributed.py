@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 from gpukit import distributed as dist
-from gpukit.distributed.data import kept_mask, per_device_size
+from gpukit.distributed.data import RankBatches, SampleWeights, per_device_size
 from gpukit.distributed.launcher import _failures
 from gpukit.errors import DistributedError, InvalidArgumentError
 
@@ -148,22 +148,71 @@ def test_set_epoch_picks_the_shuffle_of_that_epoch() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    n=st.integers(1, 60), world=st.integers(1, 6), batch=st.integers(1, 7), shuffle=st.booleans()
+    n=st.integers(1, 60),
+    world=st.integers(1, 6),
+    per_device=st.integers(1, 5),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
 )
-def test_kept_mask_keeps_every_sample_exactly_once_over_torchs_distributed_sampler(
-    n: int, world: int, batch: int, shuffle: bool
+def test_ranks_split_the_global_batches_of_one_process_without_repeating_a_sample(
+    n: int, world: int, per_device: int, shuffle: bool, drop_last: bool
 ) -> None:
-    shards = [
-        list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle))
-        for r in range(world)
-    ]
-    kept: list[int] = []
-    for start in range(0, len(shards[0]), batch):
-        gathered = [i for shard in shards for i in shard[start : start + batch]]
-        length = len(shards[0][start : start + batch])
-        mask = kept_mask(n, world, start, length)
-        kept += [i for i, keep in zip(gathered, mask, strict=True) if keep]
-    assert sorted(kept) == list(range(n))
+    def batches(rank: int, size: int) -> list[list[int]]:
+        sampler = RankBatches(
+            n,
+            global_batch_size=per_device * world,
+            rank=rank,
+            world_size=size,
+            shuffle=shuffle,
+            seed=5,
+            drop_last=drop_last,
+        )
+        return list(sampler)
+
+    single = batches(0, 1)
+    per_rank = [batches(r, world) for r in range(world)]
+    assert {len(b) for b in per_rank} == {len(single)}  # every rank takes every step
+    # In rank order, the shares of each step are exactly one process's global batch.
+    joined = [[i for b in per_rank for i in b[step]] for step in range(len(single))]
+    assert joined == single
+    seen = sorted(i for batch in single for i in batch)
+    full = n - n % (per_device * world) if drop_last else n
+    assert len(seen) == full
+    assert len(set(seen)) == full
+
+
+def test_a_rank_with_no_sample_in_the_last_step_gets_an_empty_batch_of_the_same_structure() -> None:
+    data = TensorDataset(torch.arange(13), torch.ones(13, 2))
+    loader = dist.DistributedLoader(
+        DataLoader(data, batch_size=4),
+        batch_size=2,
+        rank=2,
+        world_size=3,
+        device=torch.device("cpu"),
+        seed=0,
+    )
+    got = list(loader)
+    assert [b[0].tolist() for b in got] == [[4, 5], [10, 11], []]
+    assert got[-1][1].shape == (0, 2)
+
+
+def test_sample_weights_weigh_each_rank_by_its_share_of_the_global_batch() -> None:
+    data = TensorDataset(torch.arange(13))
+    weights = SampleWeights(world_size=3)
+    seen = []
+    for rank in range(3):
+        loader = dist.DistributedLoader(
+            DataLoader(data, batch_size=4),
+            batch_size=2,
+            rank=rank,
+            world_size=3,
+            device=torch.device("cpu"),
+            seed=0,
+        )
+        seen.append([weights.weight() for _ in loader])
+    # Steps of 6 samples give each rank 2/6; the last step's one sample is all rank 0's.
+    assert seen == [[1 / 3, 1 / 3, 1.0], [1 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 0.0]]
+    assert weights.weight() == 1 / 3  # outside a loader: DDP's plain average
 
 
 def test_gather_for_metrics_in_one_process_returns_the_values_themselves() -> None:

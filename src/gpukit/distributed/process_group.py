@@ -20,7 +20,13 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from gpukit.devices import device as _auto_device
-from gpukit.distributed.data import DistributedLoader, active_loader, per_device_size
+from gpukit.distributed.data import (
+    DistributedLoader,
+    SampleWeights,
+    active_loader,
+    per_device_size,
+    weighted_allreduce,
+)
 from gpukit.distributed.environment import Environment, check_devices, environment
 from gpukit.errors import DistributedError, InvalidArgumentError
 from gpukit.transfer import to_device
@@ -310,7 +316,11 @@ def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, 
     if ctx.world_size == 1:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, **ddp)
+    wrapped = DistributedDataParallel(model, device_ids=ids, **ddp)
+    # Shares of a global batch may differ (the last batch of an epoch): weigh each rank's
+    # gradient by its samples, not by 1/N, so the step is the one a single process takes.
+    wrapped.register_comm_hook(SampleWeights(ctx.world_size), weighted_allreduce)
+    return wrapped
 
 
 def _check_objects(model: object, optimizer: object, loader: object) -> None:
@@ -401,10 +411,12 @@ def prepare(
     Returns what it was given, in the same order, without the ``None`` s: ``model``,
     ``(model, optimizer)``, ``(model, loader)`` or ``(model, optimizer, loader)``. A loader
     needs an explicit batch size: ``per_device_batch_size=B`` (each process loads B samples) or
-    ``global_batch_size=G`` (one step sees G samples over all processes). Its samples are split
-    with a ``DistributedSampler`` seeded with ``seed`` (shuffled when the loader shuffled), a new
-    shuffle each epoch, and its batches arrive on this process's device. The loader is sharded
-    the same way with one process, so 1 and N processes see the same global batches.
+    ``global_batch_size=G`` (one step sees G samples over all processes). Each global batch
+    (shuffled with ``seed``, a new shuffle each epoch, when the loader shuffled) is split over
+    the processes without repeating any sample, and its batches arrive on this process's
+    device. The DDP model weighs each process's gradient by its share of the global batch, so
+    N processes end with the same weights as one, whatever the dataset's size; in the last
+    step of an epoch a process may get fewer samples than the others, or an empty batch.
 
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
     """
