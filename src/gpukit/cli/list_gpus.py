@@ -10,12 +10,13 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from gpukit.cli._gpu_table import build_table
 from gpukit.cli._output import na, print_json
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.visible import VisibleDevices, visible_devices
+from gpukit.gpus.visible import Grant, VisibleDevices, granted_gpus, visible_devices
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -44,9 +45,21 @@ def _claims() -> dict[str, Holder]:
     return current_claims()
 
 
+def _grant(inv: Inventory) -> tuple[Grant | None, str | None]:
+    """The GPUs granted to this process or job, or why they cannot be told."""
+    from gpukit.errors import GpukitError
+
+    try:
+        return granted_gpus(inv), None
+    except GpukitError as exc:
+        return None, exc.message
+
+
 def _payload(inv: Inventory, view: VisibleDevices) -> dict[str, Any]:
     claims = {uuid: holder.to_json() for uuid, holder in _claims().items()}
-    return {**inv.to_json(), "visible": view.to_json(), "claims": claims}
+    grant, _ = _grant(inv)
+    granted = None if grant is None else {**asdict(grant), "indices": list(grant.indices)}
+    return {**inv.to_json(), "visible": view.to_json(), "claims": claims, "granted": granted}
 
 
 def _render(inv: Inventory, view: VisibleDevices) -> RenderableType:
@@ -61,10 +74,18 @@ def _render(inv: Inventory, view: VisibleDevices) -> RenderableType:
     )
     if view.restricted:
         head.append(f" · CUDA_VISIBLE_DEVICES={view.env}")
+    grant, why = _grant(inv)
+    if grant is not None:
+        # Inside a Slurm job (or with CUDA_VISIBLE_DEVICES), say which GPUs are this job's:
+        # pick and run choose only among them.
+        mine = ",".join(map(str, grant.indices)) or "none"
+        head.append(f" · this job's GPUs: {mine} ({grant.describe()})", style="bold")
     held = _claims()
     claims = {uuid: holder.describe() for uuid, holder in held.items()} if held else None
     parts: list[RenderableType] = [head, build_table(inv, view, claims=claims)]
     parts.extend(Text(f"note: {w}", style="yellow") for w in view.warnings)
+    if why is not None:
+        parts.append(Text(f"note: {why}", style="yellow"))
     return Group(*parts)
 
 

@@ -66,6 +66,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"seconds between polls (2, or ${POLL_VAR})",
     )
+    parser.add_argument(
+        "--all-gpus",
+        action="store_true",
+        help="choose among all of the machine's GPUs, not only those CUDA_VISIBLE_DEVICES "
+        "(or Slurm's SLURM_JOB_GPUS) grants",
+    )
     launch = parser.add_argument_group("launching")
     launch.add_argument(
         "--ddp", action="store_true", help="run CMD under torchrun, one process per GPU"
@@ -239,7 +245,10 @@ def run(args: argparse.Namespace) -> int:
     label = shlex.join(cmd)
     held: Claim
     try:
-        if args.wait or args.timeout is not None:
+        waits = args.wait or args.timeout is not None
+        if not args.all_gpus:
+            inv, criteria = _granted_only(inv, args.gpus, criteria, waits)
+        if waits:
             status = _Status()
             held = wait_and_claim(
                 args.gpus,
@@ -260,6 +269,22 @@ def run(args: argparse.Namespace) -> int:
         visible = ",".join(str(i) for i in held.indices)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         return launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
+
+
+def _granted_only(
+    inv: Inventory, n: int, criteria: Criteria, waits: bool
+) -> tuple[Inventory, Criteria]:
+    """Only the GPUs CUDA_VISIBLE_DEVICES (or Slurm) granted: the inventory cut to them, or,
+    for waiting (which reads the machine on each poll), criteria that exclude the others."""
+    from dataclasses import replace
+
+    from gpukit.gpus.visible import granted_inventory
+
+    granted = granted_inventory(inv, n)
+    others = tuple(g.uuid for g in inv.gpus if g not in granted.gpus)
+    if not waits or not others:
+        return granted, criteria
+    return inv, replace(criteria, exclude=criteria.exclude + others)
 
 
 def _claim_now(args: argparse.Namespace, criteria: Criteria, inv: Inventory, label: str) -> Claim:
