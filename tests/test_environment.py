@@ -323,3 +323,20 @@ def test_init_refuses_a_local_rank_beyond_the_gpus_cuda_counts(
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     with pytest.raises(DistributedError, match=r"SLURM_LOCALID.*torch\.cuda\.device_count"):
         dist.init()
+
+
+def test_gpukit_run_ddp_under_srun_one_task_per_node_joins_the_jobs_rendezvous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpukit.cli.run import ddp_command
+
+    for key, value in fixture("srun-task-per-node-gpukit-run").items():
+        monkeypatch.setenv(key, value)
+    argv = ddp_command(["python", "train.py"], 4)
+    assert argv[1:] == [
+        "-m",
+        "torch.distributed.run",
+        *dist.torchrun_args(4, fixture("srun-task-per-node-gpukit-run")),
+        "train.py",
+    ]
+    assert "--rdzv-endpoint=rack1-gpu07:19242" in argv
