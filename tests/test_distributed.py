@@ -326,3 +326,13 @@ def test_launch_refuses_a_function_spawned_processes_cannot_receive() -> None:
 def test_all_reduce_mean_refuses_what_is_not_a_tensor_or_number(value: object) -> None:
     with pytest.raises(InvalidArgumentError, match="a tensor or a number"):
         dist.all_reduce_mean(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weight", [-1, float("nan"), True, "3"])
+def test_all_reduce_mean_refuses_a_weight_that_is_not_a_sample_count(weight: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="weight"):
+        dist.all_reduce_mean(1.0, weight=weight)  # type: ignore[arg-type]
+
+
+def test_all_reduce_mean_with_a_weight_in_one_process_is_the_value_itself() -> None:
+    assert dist.all_reduce_mean(torch.tensor([2.0, 4.0]), weight=3).tolist() == [2.0, 4.0]

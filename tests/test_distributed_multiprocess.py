@@ -119,6 +119,15 @@ def test_a_rank_with_no_sample_in_the_last_step_still_steps_with_the_others(
         assert rank["weights_with_an_empty_share"] == pytest.approx(single, rel=0, abs=1e-12)
 
 
+def test_the_loss_weighted_by_batch_length_is_one_process_loss_even_with_an_empty_batch(
+    session: dict[str, Any],
+) -> None:
+    single = session["single"]["logged_losses"]
+    assert len(single) == 2 * 13  # 13 steps an epoch, the last of 1 sample
+    for rank in session["ranks"]:
+        assert rank["logged_losses"] == pytest.approx(single, rel=0, abs=1e-12)
+
+
 def test_gather_for_metrics_returns_each_sample_once_when_the_world_does_not_divide_it(
     session: dict[str, Any],
 ) -> None:

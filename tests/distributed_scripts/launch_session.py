@@ -15,6 +15,7 @@ if __name__ == "__main__":
         "weights_with_an_empty_share": workloads.train(
             workloads.SAMPLES_WITH_AN_EMPTY_SHARE, momentum=0.9
         ),
+        "logged_losses": workloads.train_and_log(workloads.SAMPLES_WITH_AN_EMPTY_SHARE)[1],
         "eval_ids": workloads.evaluate_ids(),
     }
     ranks = dist.launch(workloads.session, int(sys.argv[1]) if len(sys.argv) > 1 else 2)

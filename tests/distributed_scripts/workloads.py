@@ -36,18 +36,25 @@ def _model() -> nn.Module:
 
 def train(samples: int = SAMPLES, momentum: float = 0.0) -> list[float]:
     """Train with SGD on GLOBAL_BATCH samples per step, whatever the world size; final weights."""
+    return train_and_log(samples, momentum)[0]
+
+
+def train_and_log(samples: int = SAMPLES, momentum: float = 0.0) -> tuple[list[float], list[float]]:
+    """Final weights, and the global batch's mean loss of every step as the processes log it."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     loader = DataLoader(_data(samples), batch_size=GLOBAL_BATCH, shuffle=True)
     model, opt, loader = dist.prepare(model, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7)
+    losses: list[float] = []
     for _ in range(EPOCHS):
         for x, y in loader:
             loss = nn.functional.mse_loss(model(x), y)
+            losses.append(dist.all_reduce_mean(loss.item(), weight=len(x)))
             opt.zero_grad()
             loss.backward()
             opt.step()
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return torch.cat([p.detach().flatten() for p in inner.parameters()]).tolist()
+    return torch.cat([p.detach().flatten() for p in inner.parameters()]).tolist(), losses
 
 
 def evaluate_ids() -> list[int]:
@@ -74,6 +81,7 @@ def session(_: Any = None) -> dict[str, Any]:
         "mean_of_ranks": dist.all_reduce_mean(float(dist.rank())),
         "weights": train(),
         "weights_with_an_empty_share": train(SAMPLES_WITH_AN_EMPTY_SHARE, momentum=0.9),
+        "logged_losses": train_and_log(SAMPLES_WITH_AN_EMPTY_SHARE)[1],
         "eval_ids": evaluate_ids(),
         "pid": os.getpid(),
     }

@@ -12,7 +12,7 @@ The same script runs with ``python train.py`` (one process, nothing to set up) a
         for x, y in loader:          # this process's shard, already on its device
             loss = loss_fn(model(x), y)
             opt.zero_grad(); loss.backward(); opt.step()   # DDP averages the gradients
-        dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss):.3f}")
+        dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss, weight=len(x)):.3f}")
 
 Process groups, rendezvous and launching are torch.distributed's and torchrun's, under the
 cluster's own scheduler; this module only reads the job's environment (torchrun, Slurm, Open

@@ -219,16 +219,29 @@ def get_logger(name: str) -> logging.Logger:
     return logger
 
 
-def all_reduce_mean(x: torch.Tensor | float) -> Any:
+def all_reduce_mean(x: torch.Tensor | float, *, weight: float | None = None) -> Any:
     """The mean of ``x`` over all processes: a tensor for a tensor, a float for a number.
+
+    With ``weight``, the weighted mean ``sum(w * x) / sum(w)``: pass ``weight=len(batch)`` to
+    get the loss one process computes on the whole global batch, exact in the last, uneven step
+    of an epoch. A process with weight 0 (an empty batch, whose mean loss reads nan) counts for
+    nothing. Every process must call it, empty batch or not.
 
     >>> all_reduce_mean(2.0)        # one process: its own value
     2.0
+    >>> # dist.all_reduce_mean(loss, weight=len(x))            # the global batch's mean loss
     """
     if isinstance(x, bool) or not isinstance(x, (torch.Tensor, int, float)):
         raise InvalidArgumentError(
             f"all_reduce_mean takes a tensor or a number, not {type(x).__name__} ({x!r:.40}).",
             hint="Pass the value itself, e.g. all_reduce_mean(loss.item()) or all_reduce_mean(t).",
+        )
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0
+    ):
+        raise InvalidArgumentError(
+            f"all_reduce_mean(weight={weight!r}): a weight is a number of samples, 0 or more.",
+            hint="Pass weight=len(batch), or leave it out for a plain mean over processes.",
         )
     ctx = _ready()
     is_number = not isinstance(x, torch.Tensor)
@@ -238,8 +251,16 @@ def all_reduce_mean(x: torch.Tensor | float) -> Any:
     if ctx.distributed:
         origin = tensor.device
         work = tensor.detach().to(ctx.device, copy=True)
-        dist.all_reduce(work, op=dist.ReduceOp.SUM)
-        tensor = (work / ctx.world_size).to(origin)
+        if weight is None:
+            dist.all_reduce(work, op=dist.ReduceOp.SUM)
+            tensor = (work / ctx.world_size).to(origin)
+        else:
+            # One collective for the weighted values and the weights; a weight of 0 drops the
+            # value itself, so the nan of a mean over no sample never reaches the sum.
+            scaled = torch.zeros_like(work) if weight == 0 else work * weight
+            packed = torch.cat([scaled.flatten(), work.new_tensor([float(weight)])])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+            tensor = (packed[:-1] / packed[-1]).reshape(work.shape).to(origin)
     return float(tensor) if is_number else tensor
 
 
