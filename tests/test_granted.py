@@ -98,3 +98,13 @@ def test_gk_pick_chooses_among_the_granted_gpus_unless_all_gpus(
     assert [g.index for g in gk.pick(1, order="index", all_gpus=True)] == [2]
     with pytest.raises(NoGpuAvailableError, match="grants this process 2"):
         gk.pick(3)
+
+
+def test_gk_pick_under_a_grant_still_refuses_a_count_that_is_not_a_number(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _machine(monkeypatch, A100)
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    with pytest.raises(gk.InvalidArgumentError, match="Cannot pick '1' GPUs"):
+        gk.pick("1")  # type: ignore[arg-type]

@@ -415,7 +415,7 @@ def granted_inventory(inv: Inventory, n: int, env: Mapping[str, str] | None = No
     if grant is None:
         return inv
     gpus = tuple(g for g in inv.gpus if g.index in grant.indices)
-    if len(gpus) < n:
+    if isinstance(n, int) and len(gpus) < n:  # a bad n is refused by the chooser, by name
         which = ", ".join(f"GPU {g.index}" for g in gpus) or "none of this machine's GPUs"
         raise NoGpuAvailableError(
             f"Asked for {n} GPU{'s' if n != 1 else ''}: {grant.describe()} grants this process "
