@@ -54,7 +54,9 @@ def test_environment_takes_ranks_from_torchrun_variables() -> None:
 
 def test_environment_under_slurm_without_a_node_list_or_master_addr_says_what_is_missing() -> None:
     with pytest.raises(DistributedError, match="MASTER_ADDR") as info:
-        dist.environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"})
+        dist.environment(
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}
+        )
     assert "SLURM_JOB_NODELIST" in str(info.value)
 
 
@@ -289,6 +291,7 @@ def test_prepare_refuses_objects_that_are_not_a_model_optimizer_or_loader(
                 "SLURM_PROCID": "0",
                 "SLURM_NTASKS": "2",
                 "SLURM_LOCALID": "x",
+                "SLURM_STEP_ID": "0",
                 "MASTER_ADDR": "node1",
                 "MASTER_PORT": "29500",
             },

@@ -129,6 +129,26 @@ def test_a_single_slurm_task_is_a_single_process() -> None:
     assert dist.environment(env).source is None
 
 
+def test_the_batch_script_of_a_slurm_job_is_a_single_process_not_rank_0_of_n() -> None:
+    # sbatch --ntasks-per-node=4 runs the script once; only srun starts the 4 tasks (a step).
+    batch = fixture("srun-task-per-gpu-2-nodes", SLURM_STEP_ID=None, SLURM_PROCID="0")
+    assert dist.environment(batch).source is None
+
+
+def test_gpukit_run_ddp_in_the_batch_script_of_a_multi_node_job_says_to_use_srun() -> None:
+    batch = fixture("srun-task-per-node-gpukit-run", SLURM_STEP_ID=None, SLURM_PROCID="0")
+    with pytest.raises(DistributedError, match="1 of the job's 2 nodes") as info:
+        dist.torchrun_args(4, batch)
+    assert "srun --ntasks-per-node=1" in info.value.hint
+
+
+def test_gpukit_run_ddp_in_the_batch_script_of_a_one_node_job_is_standalone() -> None:
+    batch = fixture(
+        "srun-gpus-per-task-indices", SLURM_STEP_ID=None, SLURM_PROCID="0", SLURM_LOCALID="0"
+    )
+    assert dist.torchrun_args(2, batch) == ["--standalone", "--nproc-per-node=2"]
+
+
 def test_environment_is_frozen() -> None:
     e = dist.environment(fixture("openmpi"))
     with pytest.raises(AttributeError):

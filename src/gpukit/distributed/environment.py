@@ -7,7 +7,8 @@ as torchrun):
 - **torchrun** (and ``gk.distributed.launch``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
 - **Slurm** (``srun``, one process per task): ``SLURM_PROCID``, ``SLURM_NTASKS``,
-  ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_TASKS_PER_NODE``, the node list and the job id.
+  ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_TASKS_PER_NODE``, the node list and the job id,
+  inside an ``srun`` step (``SLURM_STEP_ID``); the job's batch script is a single process.
   The rendezvous is the first host of the node list (expanded as ``scontrol show hostnames``
   does) on a port derived from ``SLURM_JOB_ID``, so every rank of a job agrees on it without
   anything exported by hand, and two jobs on the same nodes use different ports.
@@ -254,6 +255,19 @@ def _slurm_nodes(env: Mapping[str, str]) -> tuple[str, list[str]]:
     return "SLURM_JOB_NODELIST", []
 
 
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    # srun sets the step id for the tasks it starts. The batch script and an salloc shell have
+    # none, yet they carry SLURM_PROCID=0 and the job's SLURM_NTASKS: read as rank 0 of N, a
+    # script started there would wait forever for N - 1 peers that nothing starts.
+    return bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
+
+
+def _slurm_allocation_nodes(env: Mapping[str, str]) -> int:
+    """How many nodes the Slurm job holds, seen from outside any step (1 when not in a job)."""
+    raw = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    return int(raw) if raw.isdigit() else 1
+
+
 def _slurm(env: Mapping[str, str]) -> Environment:
     world = _int(env, "SLURM_NTASKS", "slurm")
     rank = _int(env, "SLURM_PROCID", "slurm")
@@ -420,7 +434,7 @@ def environment(env: Mapping[str, str] | None = None) -> Environment:
     found: Environment
     if "RANK" in env or "WORLD_SIZE" in env:
         found = _torchrun(env)
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _in_slurm_step(env):
         found = _slurm(env)
         if found.world_size == 1:
             # One Slurm task is an ordinary single process: no group, no rendezvous needed.
@@ -462,6 +476,15 @@ def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> 
             f"This process already runs under torchrun (rank {found.rank} of "
             f"{found.world_size}): starting torchrun again would nest two process groups.",
             hint="Run `gpukit run --ddp` from the job script or srun, not from a training worker.",
+        )
+    env = os.environ if env is None else env
+    nodes = _slurm_allocation_nodes(env)
+    if found.source is None and env.get("SLURM_JOB_ID") and nodes > 1:
+        raise DistributedError(
+            f"This runs in Slurm job {env['SLURM_JOB_ID']}'s script, outside any srun step, so "
+            f"it would start torchrun on 1 of the job's {nodes} nodes.",
+            hint="Start it on every node: `srun --ntasks-per-node=1 gpukit run --ddp -n N -- "
+            "train.py` (or `srun -N1 ...` to use one node on purpose).",
         )
     if found.num_nodes <= 1:
         return ["--standalone", f"--nproc-per-node={nproc_per_node}"]
