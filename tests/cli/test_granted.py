@@ -6,6 +6,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
+from gpukit.gpus.claims import claim
+from gpukit.gpus.inventory import inventory
 from tests.conftest import CliRunner
 
 A100 = "server-8xA100-shared"  # 8 alike GPUs; only 2 and 4 idle
@@ -109,3 +113,17 @@ def test_run_wait_waits_only_for_a_granted_gpu(
     env = _env(machines_dir, tmp_path, CUDA_VISIBLE_DEVICES="4", GPUKIT_POLL_INTERVAL="0.05")
     done = run_cli("run", "--wait", "--settle", "1", "--", sys.executable, "-c", show, env=env)
     assert (done.returncode, done.stdout) == (0, "4\n")
+
+
+def test_two_steps_of_one_slurm_job_never_take_the_same_gpu(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = _env(machines_dir, tmp_path, SLURM_JOB_GPUS="2,4", SLURM_JOB_ID="4242")
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(env["GPUKIT_FAKE_NVML"]))
+    # The first step holds GPU 2 through gpukit's claim, as `gpukit run` does.
+    with claim([inventory().gpu(2)], folder=tmp_path / "locks", command="step 0"):
+        second = run_cli("pick", "--order", "index", env=env)
+        third = run_cli("pick", "-n", "2", env=env)
+    assert (second.returncode, second.stdout) == (0, "4\n")
+    assert third.returncode == 4
+    assert "claimed by" in third.stderr
