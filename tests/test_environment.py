@@ -167,7 +167,7 @@ def test_environment_is_frozen() -> None:
         ),
         (
             fixture("srun-task-per-gpu-2-nodes", SLURM_NTASKS="6"),
-            ("SLURM_TASKS_PER_NODE=4(x2)", "SLURM_NTASKS=6"),
+            ("SLURM_STEP_TASKS_PER_NODE=4(x2)", "SLURM_NTASKS=6"),
         ),
         (
             fixture(

@@ -274,23 +274,27 @@ def _slurm(env: Mapping[str, str]) -> Environment:
     local_rank = _int(env, "SLURM_LOCALID", "slurm", 0)
     node = _int(env, "SLURM_NODEID", "slurm", 0)
     list_name, hosts = _slurm_nodes(env)
-    nodes = _int(env, "SLURM_STEP_NUM_NODES", "slurm", 0) or _int(
-        env, "SLURM_NNODES", "slurm", len(hosts) or 1
+    nodes_name = next(
+        (n for n in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES") if env.get(n)), "SLURM_NNODES"
     )
-    per_node_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    nodes = _int(env, nodes_name, "slurm", len(hosts) or 1)
+    per_node_name = next(
+        (n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(n)), None
+    )
+    per_node_raw = env[per_node_name] if per_node_name else ""
     per_node = _tasks_per_node(per_node_raw) if per_node_raw else None
     if per_node is not None and (sum(per_node) != world or len(per_node) != nodes):
         raise DistributedError(
-            f"Slurm's task counts do not add up: SLURM_TASKS_PER_NODE={per_node_raw} is "
+            f"Slurm's task counts do not add up: {per_node_name}={per_node_raw} is "
             f"{sum(per_node)} tasks on {len(per_node)} nodes, but SLURM_NTASKS={world} and "
-            f"{nodes} nodes.",
+            f"{nodes_name}={nodes}.",
             hint="Start the job with srun from inside the allocation, not with variables copied "
             "from another job; unset SLURM_* to run a single process.",
         )
     if hosts and len(hosts) != nodes:
         raise DistributedError(
             f"{list_name}={env[list_name]} names {len(hosts)} hosts, but the step has {nodes} "
-            "nodes (SLURM_NNODES).",
+            f"nodes ({nodes_name}).",
             hint="Start the job with srun from inside the allocation, or set MASTER_ADDR.",
         )
     if per_node is not None and 0 <= node < len(per_node):
