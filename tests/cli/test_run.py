@@ -317,9 +317,11 @@ def test_ddp_starts_one_worker_per_claimed_gpu(
     run_cli: CliRunner, locks: Path, tmp_path: Path
 ) -> None:
     script = tmp_path / "worker.py"
+    # One write per worker: print() may write its pieces separately, and two workers' pieces
+    # then interleave on the shared pipe.
     script.write_text(
-        "import os\nprint(os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], "
-        "os.environ['CUDA_VISIBLE_DEVICES'])\n"
+        "import os\nos.write(1, (os.environ['LOCAL_RANK'] + ' ' + os.environ['WORLD_SIZE'] + ' '"
+        " + os.environ['CUDA_VISIBLE_DEVICES'] + '\\n').encode())\n"
     )
     done = run_cli("run", "-n", "2", "--ddp", "--", "python", str(script), env=dict(_env(locks)))
     assert done.returncode == 0, done.stderr
