@@ -108,3 +108,15 @@ def test_gk_pick_under_a_grant_still_refuses_a_count_that_is_not_a_number(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
     with pytest.raises(gk.InvalidArgumentError, match="Cannot pick '1' GPUs"):
         gk.pick("1")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["srun-gpus-per-task-indices", "srun-gpus-per-task-uuids"])
+def test_a_task_bound_to_its_gpu_by_slurm_chooses_that_gpu_only(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    from tests.test_environment import fixture
+
+    inv = _machine(monkeypatch, A100)
+    grant = granted_gpus(inv, fixture(name))  # CUDA_VISIBLE_DEVICES wins over SLURM_STEP_GPUS
+    assert grant is not None
+    assert (grant.variable, grant.indices) == ("CUDA_VISIBLE_DEVICES", (5,))
