@@ -63,9 +63,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"seconds between polls (2, or ${POLL_VAR})",
     )
+    parser.add_argument(
+        "--all-gpus",
+        action="store_true",
+        help="choose among all of the machine's GPUs, not only those CUDA_VISIBLE_DEVICES "
+        "(or Slurm's SLURM_JOB_GPUS) grants",
+    )
     launch = parser.add_argument_group("launching")
     launch.add_argument(
-        "--ddp", action="store_true", help="run CMD under torchrun, one process per GPU"
+        "--ddp",
+        action="store_true",
+        help="run CMD under torchrun, one process per GPU; in a multi-node Slurm or SkyPilot "
+        "job (one task per node), join the job's other nodes",
     )
     launch.add_argument(
         "--cpu-ok",
@@ -92,11 +101,13 @@ def ddp_command(cmd: Sequence[str], nproc: int) -> list[str]:
 
     ``python train.py ...`` becomes ``torchrun train.py ...``, ``python -m pkg`` becomes
     ``torchrun -m pkg``, and any other program (``python -u train.py`` included) runs with
-    ``--no-python``. ``--standalone``
-    gives each job its own rendezvous port, so two jobs on one server do not collide.
+    ``--no-python``. On one machine ``--standalone`` gives each job its own rendezvous port, so
+    two jobs on one server do not collide; in a multi-node job the options come from
+    :func:`gpukit.distributed.torchrun_args` (the job's nodes and a rendezvous derived from it).
     """
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launcher.append(f"--nproc-per-node={nproc}")
+    from gpukit.distributed.environment import torchrun_args
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc)]
     program = os.path.basename(cmd[0])
     # torchrun takes the script or -m, not python's own options (python -u train.py): with
     # those, it runs the whole python command line as a program instead.
@@ -192,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             command=shlex.join(cmd),
             on_status=status,
             read=lambda: first.pop() if first else inventory(),
+            all_gpus=args.all_gpus,
         )
     except GpukitError as exc:
         if waits:

@@ -377,8 +377,12 @@ def pick(
     order: Order = "free",
     inventory: Inventory | None = None,
     claims: Mapping[str, Holder] | None = None,
+    all_gpus: bool = False,
 ) -> list[GPU]:
     """Choose ``n`` GPUs that meet the criteria, best first (most free memory, by default).
+
+    Reading the machine itself, it chooses only among the GPUs granted to this process by
+    ``CUDA_VISIBLE_DEVICES`` (or Slurm's ``SLURM_JOB_GPUS``), unless ``all_gpus=True``.
 
     ``min_free``: bytes or a size (``"8GiB"``); ``max_util``: percent; ``max_processes``: how
     many processes may already hold memory on it (default 0, or no limit when ``min_free`` is
@@ -397,8 +401,11 @@ def pick(
     )
     if inventory is None:
         from gpukit.gpus.inventory import inventory as read_inventory
+        from gpukit.gpus.visible import granted_inventory
 
         inventory = read_inventory()
+        if not all_gpus:
+            inventory = granted_inventory(inventory, n)
     if claims is not None:
         return choose(inventory, n, criteria, order=order, claims=claims)
     gpus = choose(inventory, n, criteria, order=order, claims=current_claims())
