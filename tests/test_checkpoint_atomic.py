@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gpukit as gk
-from gpukit.checkpoint.io import TMP_SUFFIX
+from gpukit.checkpoint.atomic import TMP_SUFFIX
 
 _ELEMENTS = 1_000_000  # 4 MB: a save takes long enough for kills to land inside it
 

@@ -61,14 +61,21 @@ def test_show_of_a_truncated_file_is_one_line_without_traceback(tmp_path: Path, 
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_convert_to_safetensors_refuses_extra_entries_unless_weights_only(tmp_path: Path, run_cli):
-    _dp_checkpoint(tmp_path / "dp.pt")
-    out = tmp_path / "clean.safetensors"
-    refused = run_cli("ckpt", "convert", str(tmp_path / "dp.pt"), str(out))
-    assert refused.returncode != 0
-    assert "'epoch'" in refused.stderr
-    assert "--weights-only" in refused.stderr
-    assert not out.exists()
+def test_convert_of_a_training_checkpoint_to_safetensors_keeps_weights_and_names_the_rest(
+    tmp_path: Path, run_cli
+):
+    model = nn.DataParallel(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 7}
+    torch.save(state, tmp_path / "train.pt")
+    out = tmp_path / "model.safetensors"
+    result = run_cli("ckpt", "convert", str(tmp_path / "train.pt"), str(out), env={"NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "left out optimizer, epoch" in result.stdout
+    assert list(load_file(out)) == ["weight", "bias"]
+    assert torch.equal(load_file(out)["weight"], model.module.weight.detach())
 
 
 def test_convert_cleans_keys_and_loads_into_the_plain_model_with_bare_safetensors(
