@@ -28,6 +28,13 @@ _KINDS = (
 )
 
 
+def _access(path: Path, mode: int) -> bool:
+    # The effective user's rights: those the open() that follows will be judged by.
+    if os.access in os.supports_effective_ids:
+        return os.access(path, mode, effective_ids=True)
+    return os.access(path, mode)
+
+
 def kind_of(mode: int) -> str:
     """``"file"``, ``"folder"``, ``"FIFO (named pipe)"``... for an ``st_mode``."""
     for test, name in _KINDS:
@@ -84,7 +91,7 @@ def check_input(path: Path) -> os.stat_result:
     except OSError as exc:
         raise fs_error(path, exc, "read") from None
     if stat.S_ISDIR(info.st_mode):
-        if not os.access(path, os.R_OK | os.X_OK):
+        if not _access(path, os.R_OK | os.X_OK):
             raise fs_error(path, PermissionError(errno.EACCES, "denied"), "read the folder")
         return info
     if not stat.S_ISREG(info.st_mode):
@@ -125,7 +132,7 @@ def _check_parent(path: Path) -> None:
             f"Cannot save {path}: {folder} is a {kind_of(info.st_mode)}, not a folder.",
             hint="Check the path.",
         )
-    if not os.access(folder, os.W_OK | os.X_OK):
+    if not _access(folder, os.W_OK | os.X_OK):
         raise CheckpointError(
             f"Cannot save {path}: the folder {folder} is not writable by this user.",
             hint="Save somewhere you can write, or fix the folder's permissions.",

@@ -164,7 +164,7 @@ def open_index(index: Path, *, trust: bool) -> ShardedFolder:
     meta = data.get("metadata")
     total = meta.get("total_size") if isinstance(meta, dict) else None
     fmt = INDEX_NAMES.get(index.name) or _format_of_names(list(by_file))
-    shards = [Shard(index.parent / name, keys) for name, keys in by_file.items()]
+    shards = [Shard(index.parent / name, keys) for name, keys in sorted(by_file.items())]
     folder = ShardedFolder(
         index.parent, index, fmt, shards, total if isinstance(total, int) else None
     )
