@@ -394,3 +394,20 @@ def test_loading_a_sharded_folder_grows_peak_memory_by_far_less_than_the_checkpo
     )
     grown_mib = int(result.stdout.strip()) / 1024
     assert grown_mib <= 32, f"peak RSS grew by {grown_mib:.1f} MiB loading 64 MiB of weights"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["sharded", "dcp"])
+def test_a_folder_loads_straight_into_a_model_on_the_gpu(tmp_path: Path, layout: str):
+    source = _trained()
+    if layout == "sharded":
+        gk.save(source, tmp_path / "ckpt", max_shard_size=4096)
+    else:
+        _dcp_save({"model": source.state_dict()}, tmp_path / "ckpt")
+    target = _net().to("cuda")
+    report = gk.load(target, tmp_path / "ckpt")
+    assert report.ok
+    assert report.device.startswith("cuda")
+    assert all(t.device.type == "cuda" for t in target.state_dict().values())
+    assert _same_weights(target.cpu(), source)

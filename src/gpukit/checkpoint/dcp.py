@@ -25,7 +25,7 @@ import torch
 from gpukit.checkpoint.paths import check_input, fs_error
 from gpukit.errors import CheckpointError
 
-__all__ = ["METADATA_NAME", "DcpFolder", "is_dcp_folder", "open_dcp"]
+__all__ = ["METADATA_NAME", "DcpFolder", "is_dcp_folder", "open_dcp", "set_path"]
 
 METADATA_NAME = ".metadata"
 
@@ -174,7 +174,7 @@ class DcpFolder:
         nested: dict[str, Any] = {}
         for key in self.metadata.state_dict_metadata:
             if key in flat:
-                _set_path(nested, self.path_of(key), flat[key])
+                set_path(nested, self.path_of(key), flat[key])
         return nested
 
     def _read_objects(self, trust: bool) -> dict[str, Any]:
@@ -192,13 +192,14 @@ class DcpFolder:
             try:
                 objects[index.fqn] = torch.load(io.BytesIO(data), weights_only=not trust)
             except pickle.UnpicklingError as exc:
-                from gpukit.checkpoint.io import _untrusted
+                from gpukit.checkpoint.io import untrusted_error
 
-                raise _untrusted(path, exc) from None
+                raise untrusted_error(path, exc) from None
         return objects
 
 
-def _set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+def set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in a nested dict, making dicts (lists for int steps) on the way."""
     node: Any = root
     for step, following in itertools.pairwise(path):
         empty: Any = [] if isinstance(following, int) else {}

@@ -28,6 +28,8 @@ __all__ = [
     "gpukit_metadata",
     "read",
     "suffix_format",
+    "unreadable_error",
+    "untrusted_error",
 ]
 
 SAFETENSORS = "safetensors"
@@ -122,7 +124,8 @@ class _LocationRecorder:
         return restore(storage, str(self.target))  # type: ignore[no-untyped-call]
 
 
-def _untrusted(path: Path, exc: Exception) -> UntrustedCheckpointError:
+def untrusted_error(path: Path, exc: Exception) -> UntrustedCheckpointError:
+    """The error for a pickle that ``weights_only`` loading refused, naming what it needed."""
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
     what = f"a reference to {found.group(1)}" if found else "Python objects other than tensors"
     return UntrustedCheckpointError(
@@ -157,21 +160,21 @@ def _read_torch(
             content = torch.load(handle, map_location=recorder, weights_only=not trust)
     except pickle.UnpicklingError as exc:
         if not trust and "Weights only load failed" in str(exc):
-            raise _untrusted(path, exc) from None
-        raise _unreadable(path, TORCH, exc) from None
+            raise untrusted_error(path, exc) from None
+        raise unreadable_error(path, TORCH, exc) from None
     except ImportError as exc:
         # A trusted pickle naming a module this Python lacks: the file is whole, the code is not.
         raise _missing_code(path, exc.name or str(exc)) from None
     except AttributeError as exc:
         found = _MISSING_CLASS.search(str(exc))
         if found is None:
-            raise _unreadable(path, TORCH, exc) from None
+            raise unreadable_error(path, TORCH, exc) from None
         name, module = found.group(1), found.group(2)
         # Classes of a script run as __main__ are looked up in whatever __main__ loads the file.
         where = "the script that saved it" if module.endswith("__main__") else module
         raise _missing_code(path, f"{name} (from {where})") from None
     except (RuntimeError, EOFError, ValueError, KeyError, OSError) as exc:
-        raise _unreadable(path, TORCH, exc) from None
+        raise unreadable_error(path, TORCH, exc) from None
     return content, recorder
 
 
@@ -185,11 +188,12 @@ def _read_safetensors(path: Path, target: torch.device | None) -> tuple[Any, dic
             metadata = handle.metadata() or {}
         tensors = load_file(str(path), device=device)
     except Exception as exc:  # safetensors raises its own (Rust) error types
-        raise _unreadable(path, SAFETENSORS, exc) from None
+        raise unreadable_error(path, SAFETENSORS, exc) from None
     return tensors, metadata
 
 
-def _unreadable(path: Path, fmt: str, exc: BaseException) -> CheckpointError:
+def unreadable_error(path: Path, fmt: str, exc: BaseException) -> CheckpointError:
+    """The error for a file of format ``fmt`` that cannot be read: cut short, or damaged."""
     size = path.stat().st_size
     reason = (str(exc).split(". ")[0].splitlines() or [type(exc).__name__])[0].rstrip(".")
     with path.open("rb") as handle:

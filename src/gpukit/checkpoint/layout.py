@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_dcp
+from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_dcp, set_path
 from gpukit.checkpoint.io import SAFETENSORS, TORCH, RawCheckpoint, file_format, gpukit_metadata
 from gpukit.checkpoint.io import read as read_file
 from gpukit.checkpoint.paths import check_input
@@ -94,8 +94,6 @@ def _sharded(index: Path, trust: bool) -> FolderCheckpoint:
 
 
 def _dcp(folder: Path) -> FolderCheckpoint:
-    from gpukit.checkpoint.dcp import _set_path
-
     found = open_dcp(folder)
     content: dict[str, Any] = {}
     stored: dict[int, str] = {}
@@ -106,7 +104,7 @@ def _dcp(folder: Path) -> FolderCheckpoint:
             stored[id(value)] = key
         else:
             value = StoredObject()
-        _set_path(content, found.path_of(key), value)
+        set_path(content, found.path_of(key), value)
     files = dict(found.files)
     files[METADATA_NAME] = (folder / METADATA_NAME).stat().st_size
     return FolderCheckpoint(folder, DCP, content, found, files, {}, [], stored)

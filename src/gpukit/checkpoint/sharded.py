@@ -251,15 +251,15 @@ def _safetensors_header(
 
 
 def _load_torch_shard(path: Path, trust: bool) -> dict[str, Any]:
-    from gpukit.checkpoint.io import TORCH, _unreadable, _untrusted
+    from gpukit.checkpoint.io import TORCH, unreadable_error, untrusted_error
 
     try:
         # mmap: the shard's tensors stay on disk until copied, one shard at a time.
         loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust)
     except Exception as exc:
         if not trust and "Weights only load failed" in str(exc):
-            raise _untrusted(path, exc) from None
-        raise _unreadable(path, TORCH, exc) from None
+            raise untrusted_error(path, exc) from None
+        raise unreadable_error(path, TORCH, exc) from None
     if not isinstance(loaded, dict):
         raise CheckpointError(
             f"{path} holds a {type(loaded).__name__}, not a shard (a dict of tensors).",
