@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import load_torch_model, save_torch_state_dict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from torch import nn
 
@@ -96,6 +98,20 @@ def test_sharded_bin_folder_with_pickled_code_is_refused_without_trust(tmp_path:
     torch.save(state, shard)
     with pytest.raises(UntrustedCheckpointError, match="trust=True"):
         gk.load(_net(), folder)
+
+
+def test_a_folder_with_one_unsharded_file_loads_that_file(tmp_path: Path):
+    source = _trained()
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict(source.state_dict(), tmp_path / "hf")  # small: one model.safetensors
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    target = _net()
+    assert gk.load(target, tmp_path / "hf").ok
+    assert _same_weights(target, source)
 
 
 def test_accelerate_save_model_folder_loads(tmp_path: Path):
@@ -411,3 +427,30 @@ def test_a_folder_loads_straight_into_a_model_on_the_gpu(tmp_path: Path, layout:
     assert report.device.startswith("cuda")
     assert all(t.device.type == "cuda" for t in target.state_dict().values())
     assert _same_weights(target.cpu(), source)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    limit=st.integers(1, 1200),
+)
+def test_any_state_dict_saved_in_shards_comes_back_equal_with_every_shard_within_the_limit(
+    tmp_path_factory: pytest.TempPathFactory, sizes: list[int], limit: int
+):
+    state = {
+        f"layer{i}.weight": torch.arange(n, dtype=torch.float32) + i for i, n in enumerate(sizes)
+    }
+    out = gk.save(state, tmp_path_factory.mktemp("shards") / "w", max_shard_size=limit)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 4 * sum(sizes)
+    for shard in set(index["weight_map"].values()):
+        held = load_file(out / shard)
+        assert sum(t.numel() * 4 for t in held.values()) <= limit or len(held) == 1
+    shards = sorted(set(index["weight_map"].values()))
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        loaded.update(load_file(out / shard))
+    assert list(loaded) == list(state)  # in order: shards fill up key after key
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
