@@ -127,6 +127,8 @@ def test_accelerate_save_model_folder_loads(tmp_path: Path):
 def test_dcp_folder_loads_into_the_model_without_a_process_group(tmp_path: Path):
     source = _trained()
     optimizer = torch.optim.Adam(source.parameters())
+    source(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
     state = {"model": source.state_dict(), "optim": optimizer.state_dict(), "epoch": 3}
     _dcp_save(state, tmp_path / "dcp")
     target = _net()
@@ -136,6 +138,12 @@ def test_dcp_folder_loads_into_the_model_without_a_process_group(tmp_path: Path)
     assert report.container_key == "model"
     assert _same_weights(target, source)
     assert not torch.distributed.is_initialized()
+    assert report.extras["epoch"] == 3
+    saved = optimizer.state_dict()
+    # DCP stores nested keys as strings: the optimizer's state 0 comes back under "0".
+    restored = report.extras["optim"]["state"]["0"]["exp_avg"]
+    assert torch.equal(restored, saved["state"][0]["exp_avg"])
+    assert report.extras["optim"]["param_groups"][0]["lr"] == saved["param_groups"][0]["lr"]
 
 
 def test_dcp_folder_of_a_wrapped_model_loads_into_the_plain_one(tmp_path: Path):

@@ -10,6 +10,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from torch import nn
 
 from gpukit import __version__
 from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
+from gpukit.checkpoint.dcp import DcpFolder
 from gpukit.checkpoint.io import SAFETENSORS, suffix_format
 from gpukit.checkpoint.keys import (
     clean_keys,
@@ -393,6 +395,14 @@ def load(
         for name, shape_only in plan.renamed.items():
             targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
         raw.read_into(targets, trust=trust)
+        if container is not None and isinstance(raw.source, DcpFolder):
+            # The rest of a DCP training state (optimizer, step...), as a file's extras are.
+            extras: dict[str, Any] = raw.source.read_all(trust=trust, skip=container)
+            if target.type != "cpu":
+                from gpukit.transfer import to_device
+
+                extras = to_device(extras, target)
+            report = dataclasses.replace(report, extras=extras)
         return report
     # torch's per-module versions, renamed like the keys (BatchNorm and others consult them).
     copy_metadata(

@@ -159,31 +159,36 @@ class DcpFolder:
                 for extra in tensors[1:]:
                     extra.copy_(tensors[0])
 
-    def read_all(self, *, trust: bool) -> dict[str, Any]:
+    def read_all(self, *, trust: bool, skip: str | None = None) -> dict[str, Any]:
         """The saved nested dict, tensors on the CPU (the whole checkpoint in memory).
 
-        Non-tensor entries are pickles inside the data files: read with ``weights_only`` unless
-        ``trust``.
+        ``skip`` leaves out one top-level entry (the weights, already in a model). Non-tensor
+        entries are pickles inside the data files: read with ``weights_only`` unless ``trust``.
         """
+        wanted = [k for k in self.metadata.state_dict_metadata if self.path_of(k)[0] != skip]
+        shapes = self.tensors
         tensors = {
-            key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in self.tensors.items()
+            key: torch.empty(shapes[key][0], dtype=shapes[key][1])
+            for key in wanted
+            if key in shapes
         }
-        self.read_into({key: [value] for key, value in tensors.items()}, trust=trust)
+        if tensors:
+            self.read_into({key: [value] for key, value in tensors.items()}, trust=trust)
         flat: dict[str, Any] = dict(tensors)
-        flat.update(self._read_objects(trust))
+        flat.update(self._read_objects(set(wanted), trust))
         nested: dict[str, Any] = {}
-        for key in self.metadata.state_dict_metadata:
+        for key in wanted:
             if key in flat:
                 set_path(nested, self.path_of(key), flat[key])
         return nested
 
-    def _read_objects(self, trust: bool) -> dict[str, Any]:
+    def _read_objects(self, wanted: set[str], trust: bool) -> dict[str, Any]:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
         objects: dict[str, Any] = {}
         for index, info in self.metadata.storage_data.items():
             item = self.metadata.state_dict_metadata.get(index.fqn)
-            if not isinstance(item, BytesStorageMetadata):
+            if index.fqn not in wanted or not isinstance(item, BytesStorageMetadata):
                 continue
             path = self.folder / str(info.relative_path)
             with path.open("rb") as handle:

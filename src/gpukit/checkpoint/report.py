@@ -25,8 +25,8 @@ class LoadReport:
     ``"_checkpoint_wrapped_module."``, ``"_forward_module."``, ``"model."``; ``".module."`` for
     wrapped submodules). ``source_devices`` are the devices the tensors were saved from;
     ``device`` is where they were loaded. ``extras`` holds the other entries of a container
-    checkpoint (optimizer state, epoch, ...), on ``device`` as well; a checkpoint folder is read
-    for the weights only, so its ``extras`` are empty. ``tied`` maps a model key that was filled
+    checkpoint (optimizer state, epoch, ...), on ``device`` as well (from a DCP folder too; a
+    sharded folder holds only weights). ``tied`` maps a model key that was filled
     from another (tied weights, stored once) to that key.
     """
 
