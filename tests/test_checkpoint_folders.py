@@ -343,7 +343,14 @@ def test_single_file_save_onto_an_existing_folder_is_a_checkpoint_error(tmp_path
 
 @pytest.mark.parametrize(
     ("size", "expected"),
-    [("2GB", 2 * 10**9), ("500MiB", 500 * 2**20), ("8 kib", 8192), (4096, 4096), ("1.5KB", 1500)],
+    [
+        ("2GB", 2 * 10**9),
+        ("500MiB", 500 * 2**20),
+        ("8 kib", 8192),
+        (4096, 4096),
+        ("1.5KB", 1500),
+        ("9" * 400, int("9" * 400)),
+    ],
 )
 def test_max_shard_size_reads_bytes_and_human_sizes(size: object, expected: int):
     from gpukit.checkpoint.sharded import parse_size

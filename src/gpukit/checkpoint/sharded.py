@@ -15,6 +15,7 @@ import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def parse_size(value: object) -> int:
                 f"max_shard_size {value!r}: unknown unit {unit!r}.",
                 hint="Use bytes or a size such as '2GB', '500MB' or '512MiB'.",
             )
-        size = int(float(number) * _UNITS[unit.upper()])
+        size = int(Fraction(number) * _UNITS[unit.upper()])  # exact, however many digits
     else:
         raise InvalidArgumentError(
             f"max_shard_size must be a number of bytes or a size such as '2GB', not {value!r}.",
