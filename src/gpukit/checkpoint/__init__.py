@@ -7,11 +7,11 @@
 >>> report.ok
 True
 
-``api`` holds save / load; ``layout`` recognises what a path holds (a file, a sharded folder, a
-DCP folder); ``io`` reads single files (format by content); ``sharded`` and ``dcp`` read and
-write folders; ``atomic`` writes files and folders atomically; ``paths`` checks paths before any
-work; ``keys`` finds the state dict in a checkpoint and cleans its keys; ``report`` says what
-loaded; ``safetensors_format`` writes safetensors files.
+``api`` holds save / load; ``plan`` matches a checkpoint onto a model; ``layout`` recognises
+what a path holds (a file, a sharded folder, a DCP folder); ``io`` reads single files (format by
+content); ``sharded`` and ``dcp`` read and write folders; ``atomic`` writes files and folders
+atomically; ``paths`` checks paths before any work; ``keys`` finds the state dict in a checkpoint
+and cleans its keys; ``report`` says what loaded; ``safetensors_format`` writes safetensors files.
 
 The names are resolved lazily, so that ``gpukit.checkpoint.paths`` (no torch) imports fast.
 """

@@ -31,11 +31,11 @@ from gpukit.checkpoint.keys import (
     copy_metadata,
     find_state_dict,
     is_state_dict,
-    match_keys,
     unwrap,
 )
 from gpukit.checkpoint.layout import FolderCheckpoint, open_checkpoint
 from gpukit.checkpoint.paths import check_output_file, check_output_folder
+from gpukit.checkpoint.plan import plan_load, tied_groups
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, parse_size, write_shards
@@ -237,97 +237,6 @@ def _extras(content: object, container: str | None) -> dict[str, Any]:
     return {str(k): v for k, v in content.items() if k != container}
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    if tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() == 0:
-        return None  # no storage to share
-    return (
-        tensor.device,
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.dtype,
-    )
-
-
-def tied_groups(state: Mapping[str, Any]) -> dict[str, str]:
-    """Keys whose tensor is the very same view as an earlier key's: ``{later: first}``."""
-    first: dict[tuple[Any, ...], str] = {}
-    tied: dict[str, str] = {}
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        storage = _storage_key(value)
-        if storage is None:
-            continue
-        if storage in first:
-            tied[key] = first[storage]
-        else:
-            first[storage] = key
-    return tied
-
-
-@dataclass
-class _Plan:
-    """What goes where: model key -> the checkpoint's value, and the report's lists."""
-
-    renamed: OrderedDict[str, Any]
-    missing: list[str]
-    unexpected: list[str]
-    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
-    prefixes: list[str]
-    tied: dict[str, str]
-    cleaned: OrderedDict[str, Any]
-    match_prefixes: list[str]
-
-
-def _plan(state: Mapping[str, Any], model_state: Mapping[str, Any], file_tied: Any) -> _Plan:
-    cleaned, prefixes = clean_keys(state)
-    match = match_keys(list(cleaned), list(model_state))
-    renamed: OrderedDict[str, Any] = OrderedDict()
-    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for key, value in cleaned.items():
-        name = match.mapping.get(key)
-        if name is None:
-            continue
-        wanted = model_state[name]
-        mis_shaped = isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor)
-        if mis_shaped and value.shape != wanted.shape:
-            mismatched[name] = (tuple(value.shape), tuple(wanted.shape))
-            continue
-        renamed[name] = value
-    # Tied weights: stored once. A key the model ties to a loaded one gets it through the tie;
-    # one that gk.save recorded as a copy of another is filled from that one.
-    tied: dict[str, str] = {}
-    for later, first in tied_groups(model_state).items():
-        source = first if first in renamed else later if later in renamed else None
-        other = later if source == first else first
-        if source is not None and other not in renamed and other not in mismatched:
-            tied[other] = source
-    if isinstance(file_tied, Mapping):
-        for dropped, kept in file_tied.items():
-            name, source = match.mapping.get(str(dropped), str(dropped)), match.mapping.get(kept)
-            if (
-                name in model_state
-                and name not in renamed
-                and source is not None
-                and source in renamed
-            ):
-                tied.setdefault(name, source)
-    for name, source in tied.items():
-        renamed[name] = renamed[source]
-    return _Plan(
-        renamed,
-        [k for k in match.missing if k not in mismatched and k not in tied],
-        match.unexpected,
-        mismatched,
-        prefixes + match.prefixes,
-        tied,
-        cleaned,
-        match.prefixes,
-    )
-
-
 def load(
     model: nn.Module,
     path: str | Path,
@@ -371,7 +280,7 @@ def load(
             hint="Pass the file that holds the model's state_dict.",
         ) from None
     model_state = inner.state_dict()
-    plan = _plan(state, model_state, raw.metadata.get("tied"))
+    plan = plan_load(state, model_state, raw.metadata.get("tied"))
     folder = isinstance(raw, FolderCheckpoint)
     report = LoadReport(
         path=raw.path,

@@ -45,10 +45,10 @@ def suffix_format(path: Path) -> str:
     if suffix in _TORCH_SUFFIXES:
         return TORCH
     raise InvalidArgumentError(
-        f"{path.name}: gpukit picks the checkpoint format from the suffix, and "
+        f"{path.name}: gpukit picks the checkpoint layout from the suffix, and "
         f"{suffix or 'no suffix'!r} is not one it knows.",
         hint="Name the file *.safetensors (weights only) or *.pt / *.pth (anything torch.save "
-        "can hold).",
+        "can hold), or give no suffix for a sharded folder.",
     )
 
 
