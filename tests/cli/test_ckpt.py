@@ -148,6 +148,8 @@ def test_show_json_of_a_sharded_folder_lists_its_shards_and_tensors(tmp_path: Pa
         "model.safetensors.index.json",
     ]
     assert payload["size_bytes"] == sum(f["size_bytes"] for f in payload["files"])
+    assert payload["shard_count"] == 2
+    assert payload["index_file"] == "model.safetensors.index.json"
     assert payload["tensors"][0] == {
         "key": "0.weight",
         "shape": [32, 16],
@@ -168,7 +170,8 @@ def test_show_of_a_dcp_folder_prints_its_files_and_key_tree(tmp_path: Path, run_
     result = run_cli("ckpt", "show", str(tmp_path / "dcp"), env={"NO_COLOR": "1"})
     assert result.returncode == 0, result.stderr
     assert f"{tmp_path / 'dcp'}: dcp," in result.stdout
-    assert "__0_0.distcp" in result.stdout
+    assert "1 data file (__0_0.distcp" in result.stdout
+    assert "index .metadata" in result.stdout
     assert "weights under 'model'; other entries: step: object (not read)" in result.stdout
     assert "weight  [3, 4]  float32  n/a  12" in result.stdout
 

@@ -40,10 +40,15 @@ class FolderCheckpoint:
     format: str
     content: Any
     source: ShardedFolder | DcpFolder
-    files: dict[str, int]
+    files: dict[str, int]  # every file of the checkpoint, the index last, with its size
     metadata: dict[str, Any] = field(default_factory=dict)
     source_devices: list[str] = field(default_factory=list)
     stored_key: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def index(self) -> str:
+        """The name of the file that lists the others (an index JSON, DCP's ``.metadata``)."""
+        return list(self.files)[-1]
 
     @property
     def size(self) -> int:

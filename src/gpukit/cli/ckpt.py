@@ -169,6 +169,8 @@ def _payload(raw: RawCheckpoint | FolderCheckpoint) -> dict[str, Any]:
             {"name": name, "size_bytes": size}
             for name, size in (raw.files.items() if isinstance(raw, FolderCheckpoint) else ())
         ],
+        "shard_count": len(raw.files) - 1 if isinstance(raw, FolderCheckpoint) else None,
+        "index_file": raw.index if isinstance(raw, FolderCheckpoint) else None,
         "suffix_mismatch": _suffix_note(raw),
         "weights_found": found,
         "tensor_count": len(rows),
@@ -227,8 +229,11 @@ def _show(args: argparse.Namespace) -> int:
     if payload["suffix_mismatch"]:
         out.print(f"note: {payload['suffix_mismatch']} (gpukit reads it by its content)")
     if payload["files"]:
-        files = ", ".join(f"{f['name']} {human_bytes(f['size_bytes'])}" for f in payload["files"])
-        out.print(f"{len(payload['files'])} files: {files}")
+        data = [f for f in payload["files"] if f["name"] != payload["index_file"]]
+        files = ", ".join(f"{f['name']} {human_bytes(f['size_bytes'])}" for f in data)
+        kind = "data file" if payload["layout"] == "dcp" else "shard"
+        plural = "s" if len(data) != 1 else ""
+        out.print(f"{len(data)} {kind}{plural} ({files}); index {payload['index_file']}")
     saved = ", ".join(payload["source_devices"]) or "n/a"
     if meta:
         removed = ", ".join(meta.get("wrappers_removed", [])) or "none"
