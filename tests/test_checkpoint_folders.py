@@ -471,3 +471,40 @@ def test_any_state_dict_saved_in_shards_comes_back_equal_with_every_shard_within
     order = [index["weight_map"][key] for key in state]
     assert order == sorted(order)  # shards fill up key after key, in the state dict's order
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+_FSDP_SAVE = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+fully_shard(model[0])
+fully_shard(model)
+optimizer = torch.optim.Adam(model.parameters())
+model(torch.randn(2, 8)).sum().backward()
+optimizer.step()
+dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=sys.argv[1])
+torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, sys.argv[1] + ".pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_dcp_folder_written_by_fsdp2_under_a_gloo_group_loads_on_one_process(tmp_path: Path):
+    subprocess.run(
+        [sys.executable, "-c", _FSDP_SAVE, str(tmp_path / "fsdp"), str(tmp_path / "rendezvous")],
+        env=subprocess_env(),
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    target = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    report = gk.load(target, tmp_path / "fsdp")
+    assert report.ok
+    assert set(report.extras) == {"optim"}
+    expected = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    assert all(torch.equal(expected[k], v) for k, v in target.state_dict().items())
