@@ -146,6 +146,21 @@ def test_dcp_folder_loads_into_the_model_without_a_process_group(tmp_path: Path)
     assert report.extras["optim"]["param_groups"][0]["lr"] == saved["param_groups"][0]["lr"]
 
 
+def test_dcp_entry_with_pickled_code_is_refused_without_trust_before_any_weight_loads(
+    tmp_path: Path,
+):
+    source = _trained()
+    _dcp_save({"model": source.state_dict(), "config": _Payload()}, tmp_path / "dcp")
+    target = _net()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(UntrustedCheckpointError, match="trust=True"):
+        gk.load(target, tmp_path / "dcp")
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    report = gk.load(target, tmp_path / "dcp", trust=True)
+    assert report.extras["config"] == os.getenv("HOME")
+    assert _same_weights(target, source)
+
+
 def test_dcp_folder_of_a_wrapped_model_loads_into_the_plain_one(tmp_path: Path):
     source = _trained()
     keys = {

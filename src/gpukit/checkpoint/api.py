@@ -300,18 +300,19 @@ def load(
     if strict and not report.ok:
         raise mismatch_error(report, type(inner).__name__)
     if isinstance(raw, FolderCheckpoint):
-        targets: dict[str, list[torch.Tensor]] = {}
-        for name, shape_only in plan.renamed.items():
-            targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
-        raw.read_into(targets, trust=trust)
         if container is not None and isinstance(raw.source, DcpFolder):
-            # The rest of a DCP training state (optimizer, step...), as a file's extras are.
+            # The rest of a DCP training state (optimizer, step...), as a file's extras are;
+            # read first, so that a refused pickle among them leaves the model untouched.
             extras: dict[str, Any] = raw.source.read_all(trust=trust, skip=container)
             if target.type != "cpu":
                 from gpukit.transfer import to_device
 
                 extras = to_device(extras, target)
             report = dataclasses.replace(report, extras=extras)
+        targets: dict[str, list[torch.Tensor]] = {}
+        for name, shape_only in plan.renamed.items():
+            targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
+        raw.read_into(targets, trust=trust)
         return report
     # torch's per-module versions, renamed like the keys (BatchNorm and others consult them).
     copy_metadata(
