@@ -103,8 +103,8 @@ def test_pick_leaves_a_gpu_this_process_has_claimed_for_an_earlier_job(
 ) -> None:
     monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path))
     inv = _machine(monkeypatch, A100)
-    with gk.claim([inv.gpu(4)], command="first job"):
-        assert _indices(gk.pick()) == [2]
+    with gk.claim([inv.gpu(2)], command="first job"):
+        assert _indices(gk.pick()) == [4]  # 2 would come first (same free memory, lower index)
     assert _indices(gk.pick(2)) == [2, 4]  # released: both idle GPUs again
 
 
