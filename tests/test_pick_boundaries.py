@@ -17,7 +17,7 @@ import gpukit as gk
 from gpukit.errors import InvalidArgumentError, NoGpuAvailableError
 from gpukit.gpus.inventory import GPU, Inventory, inventory
 from gpukit.gpus.select import Criteria, parse_size, pick
-from tests.conftest import MACHINES, subprocess_env
+from tests.conftest import MACHINES, CliRunner, subprocess_env
 
 A100 = MACHINES / "server-8xA100-shared.json"
 LAPTOP = MACHINES / "laptop-rtx3060.json"
@@ -229,3 +229,32 @@ def test_min_free_in_gb_is_read_as_decimal_gigabytes(monkeypatch: pytest.MonkeyP
     assert _indices(pick(2, min_free="80GB", inventory=inv, claims={})) == [2, 4]
     with pytest.raises(NoGpuAvailableError, match=r"GPU 2: 79\.1 GiB free < 80 GiB"):
         pick(1, min_free="80GiB", inventory=inv, claims={})
+
+
+# -- the same edges through `gpukit pick` ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "stdout"),
+    [
+        (
+            ["-n", "8", "--max-util", "100", "--max-processes", "1", "--order", "index"],
+            0,
+            "0,1,2,3,4,5,6,7\n",
+        ),
+        (["-n", "2", "--min-free", "84932978279"], 0, "2,4\n"),
+        (["--min-free", "84932978280"], 4, ""),
+        (["-n", "2", "--min-free", "80GB"], 0, "2,4\n"),
+        (["--min-free", "80GiB"], 4, ""),
+        (["-n", "3", "--min-free", "1GiB", "--max-processes", "0"], 4, ""),
+        (["--max-util", "101"], 2, ""),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else repr(v),
+)
+def test_gpukit_pick_answers_at_the_exact_limits(
+    run_cli: CliRunner, tmp_path: Path, args: list[str], code: int, stdout: str
+) -> None:
+    env = {"GPUKIT_FAKE_NVML": str(A100), "GPUKIT_LOCK_DIR": str(tmp_path)}
+    done = run_cli("pick", *args, env={**env, "CUDA_VISIBLE_DEVICES": None})
+    assert (done.returncode, done.stdout) == (code, stdout), done.stderr
+    assert "Traceback" not in done.stderr
