@@ -308,7 +308,7 @@ class DistributedLoader:
         self.current_global_len = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next pass's shuffle (otherwise passes are numbered 0, 1, 2...)."""
+        """Use ``epoch`` for the next pass's shuffle; the passes after it count on from there."""
         self._epoch = epoch
         self._epoch_set = True
 
@@ -318,6 +318,8 @@ class DistributedLoader:
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self._epoch)
         sizes = [len(b) for b in self.sampler.global_batches()]
+        # A set_epoch before this pass is used up now; only one during it chooses the next pass.
+        self._epoch_set = False
         self.produced = 0
         self.current_len = 0
         self.current_global_len = 0
@@ -332,7 +334,6 @@ class DistributedLoader:
             _ACTIVE.remove(self)
             if not self._epoch_set:
                 self._epoch += 1
-            self._epoch_set = False
 
     def kept_rows(self) -> list[bool]:
         """For the batch being processed, which rows of a gather over all ranks are samples.
