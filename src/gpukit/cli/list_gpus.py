@@ -10,14 +10,16 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from gpukit.cli._args import Seconds
 from gpukit.cli._gpu_table import build_table
 from gpukit.cli._lock_folder import LockFolderState, read_lock_folder
 from gpukit.cli._output import na, print_json
 from gpukit.errors import ExitCode
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.visible import VisibleDevices, visible_devices
+from gpukit.gpus.visible import Grant, VisibleDevices, granted_gpus, visible_devices
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -29,7 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--watch",
         nargs="?",
-        type=float,
+        type=Seconds(positive=True),
         const=2.0,
         default=None,
         metavar="SECONDS",
@@ -60,12 +62,25 @@ def _payload(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> di
     claims = None
     if locks.claims is not None:
         claims = {uuid: holder.to_json() for uuid, holder in locks.claims.items()}
+    grant, _ = _grant(inv)
+    granted = None if grant is None else {**asdict(grant), "indices": list(grant.indices)}
     return {
         **inv.to_json(),
         "visible": view.to_json(),
         "claims": claims,
+        "granted": granted,
         "lock_dir": locks.to_json(),
     }
+
+
+def _grant(inv: Inventory) -> tuple[Grant | None, str | None]:
+    """The GPUs granted to this process or job, or why they cannot be told."""
+    from gpukit.errors import GpukitError
+
+    try:
+        return granted_gpus(inv), None
+    except GpukitError as exc:
+        return None, exc.message
 
 
 def _render(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> RenderableType:
@@ -80,10 +95,18 @@ def _render(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> Ren
     )
     if view.restricted:
         head.append(f" · CUDA_VISIBLE_DEVICES={view.env}")
+    grant, why = _grant(inv)
+    if grant is not None:
+        # Inside a Slurm job (or with CUDA_VISIBLE_DEVICES), say which GPUs are this job's:
+        # pick and run choose only among them.
+        mine = ",".join(map(str, grant.indices)) or "none"
+        head.append(f" · this job's GPUs: {mine} ({grant.describe()})", style="bold")
     held = locks.claims
     claims = {uuid: holder.describe() for uuid, holder in held.items()} if held else None
     parts: list[RenderableType] = [head, build_table(inv, view, claims=claims)]
     parts.extend(Text(f"note: {w}", style="yellow") for w in view.warnings)
+    if why is not None:
+        parts.append(Text(f"note: {why}", style="yellow"))
     parts.extend(Text(text, style=style) for text, style in locks.notes())
     return Group(*parts)
 

@@ -16,13 +16,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
-from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError
+from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError, check_bool
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import ORDERS, Criteria, Order, assess, check_user_limit, choose
 from gpukit.gpus.select import no_gpu_error as _no_gpu_error
+from gpukit.gpus.visible import granted_inventory
 from gpukit.gpus.waiting import wait_and_claim
 
 __all__ = ["POLL_VAR", "acquire", "poll_interval"]
@@ -90,6 +92,7 @@ def acquire(
     command: str | None = None,
     on_status: Callable[[str], None] | None = None,
     read: Callable[[], Inventory] = inventory,
+    all_gpus: bool = False,
 ) -> Claim:
     """Claim ``n`` GPUs that meet the criteria, waiting in line for them if asked.
 
@@ -104,7 +107,9 @@ def acquire(
     lock folder's per-user limit fail at once. ``command`` is recorded in the claim and the
     ticket for ``gpukit list`` and ``gpukit queue`` (default: this process's command line);
     ``on_status`` receives a line of text at each poll; ``read`` reads the GPUs (default
-    :func:`gpukit.inventory`; tests pass a stand-in).
+    :func:`gpukit.inventory`; tests pass a stand-in). Only the GPUs this process was granted
+    (``CUDA_VISIBLE_DEVICES``, or Slurm's ``SLURM_STEP_GPUS`` / ``SLURM_JOB_GPUS``) are
+    chosen from, unless ``all_gpus``.
 
     Raises InvalidArgumentError for bad arguments (an ``exclude`` naming a GPU the machine
     does not have included), UserLimitError (exit 4) when this user already holds their share,
@@ -115,11 +120,8 @@ def acquire(
     >>> held.indices, held.release()                       # doctest: +SKIP
     ([3], None)
     """
-    if not isinstance(wait, bool):
-        raise InvalidArgumentError(
-            f"wait={wait!r} (a {type(wait).__name__}) is not True or False.",
-            hint="Pass wait=True or wait=False.",
-        )
+    check_bool("wait", wait)
+    check_bool("all_gpus", all_gpus)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InvalidArgumentError(
             f"Cannot acquire {n!r} GPUs.", hint="Ask for 1 or more, as an int."
@@ -143,6 +145,8 @@ def acquire(
     policy = load_policy(folder)
     inv = read()
     criteria.check_exclude(inv)
+    if not all_gpus:
+        criteria = _granted_only(inv, n, criteria)
     if wait or limit is not None:
         return wait_and_claim(
             n,
@@ -179,3 +183,14 @@ def acquire(
             )
         return held
     raise AssertionError("unreachable")
+
+
+def _granted_only(inv: Inventory, n: int, criteria: Criteria) -> Criteria:
+    """``criteria`` that also exclude every GPU the scheduler or the user did not grant.
+
+    Raises NoGpuAvailableError when fewer than ``n`` are granted, VisibleDevicesError when the
+    grant cannot be mapped to NVML's GPUs exactly.
+    """
+    granted = granted_inventory(inv, n)
+    others = tuple(g.uuid for g in inv.gpus if g not in granted.gpus)
+    return replace(criteria, exclude=(*criteria.exclude, *others)) if others else criteria
