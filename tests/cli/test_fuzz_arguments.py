@@ -97,14 +97,24 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     import gpukit.gpus.acquire as acquire
 
     monkeypatch.setattr(acquire, "wait_and_claim", no_wait)
+    # list --hosts checks its hosts, timeout and ssh command for real, then reaches no one.
+    import gpukit.gpus.hosts as hosts
+
+    def unreached(host: str, ssh: Any, timeout: float) -> Any:
+        _as_sleep_would(timeout)
+        return hosts.HostReading(host, error="not reached in a test")
+
+    monkeypatch.setattr(hosts, "read_host", unreached)
     # Past their parsers, these train, measure, read files, watch forever or set up the
     # machine's own lock folder: their options are checked above.
     import gpukit.cli.bench as bench
     import gpukit.cli.ckpt as ckpt
     import gpukit.cli.queue as queue
+    import gpukit.cli.serve as serve
     import gpukit.cli.setup_locks as setup_locks
 
-    for module in (info, demo, bench, ckpt, queue, setup_locks):
+    # serve would listen until stopped.
+    for module in (info, demo, bench, ckpt, queue, serve, setup_locks):
         monkeypatch.setattr(module, "run", lambda args: 0)
     return tmp_path
 
@@ -138,7 +148,10 @@ def test_the_fuzz_reaches_every_option_of_every_command() -> None:
     for command in cli_main.COMMANDS:
         tokens = _tokens(_command_parser(command))
         assert "-h" in tokens
-    assert {"--watch", "--json"} <= set(_tokens(_command_parser("list")))
+    assert {"--watch", "--json", "--hosts", "--timeout", "--ssh-command"} <= set(
+        _tokens(_command_parser("list"))
+    )
+    assert {"--host", "--port", "--interval"} <= set(_tokens(_command_parser("serve")))
     assert {"--poll", "--timeout", "--settle", "-n", "--min-free"} <= set(
         _tokens(_command_parser("run"))
     )

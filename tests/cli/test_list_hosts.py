@@ -77,7 +77,7 @@ def test_list_hosts_exits_3_when_no_host_answers(run_cli: CliRunner, hosts: Fake
     ("args", "message"),
     [
         (["--hosts", "a,-oProxyCommand=x"], "'-oProxyCommand=x' is not a host name"),
-        (["--hosts", "a", "--timeout", "0"], "Cannot wait 0.0 s"),
+        (["--hosts", "a", "--timeout", "0"], "'0' is not a number of seconds (above 0"),
         (["--hosts", "a", "--watch"], "--watch does not combine with --hosts"),
         (["--hosts", "a", "--ssh-command", "'unclosed"], "Cannot read the ssh command"),
         (["--timeout", "5"], "no --hosts was given"),

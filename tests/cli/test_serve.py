@@ -61,9 +61,9 @@ def test_serve_prints_its_url_serves_and_stops_cleanly_on_sigterm(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--port", "70000"], "ports go from 0 to 65535"),
-        (["--interval", "0"], "Cannot sample every 0.0 s"),
-        (["--interval", "nan"], "Cannot sample every nan s"),
+        (["--port", "70000"], "'70000' is not a whole number from 0 to 65,535"),
+        (["--interval", "0"], "'0' is not a number of seconds (above 0"),
+        (["--interval", "nan"], "'nan' is not a number of seconds"),
         (["--host", "no.such.host.invalid", "--port", "0"], "Cannot serve on no.such.host.invalid"),
     ],
 )

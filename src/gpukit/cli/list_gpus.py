@@ -45,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     remote.add_argument(
         "--timeout",
-        type=float,
+        type=Seconds(positive=True),
         default=None,
         metavar="SECONDS",
         help="give up on a host after SECONDS (default 10)",

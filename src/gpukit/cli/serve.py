@@ -11,6 +11,7 @@ import sys
 import threading
 from types import FrameType
 
+from gpukit.cli._args import Number, Seconds
 from gpukit.cli._output import say_if_fake
 from gpukit.errors import InvalidArgumentError
 
@@ -24,11 +25,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "names and command lines, so serving wider is your explicit choice)",
     )
     parser.add_argument(
-        "--port", type=int, default=9400, help="port to listen on (default 9400; 0: any free one)"
+        "--port",
+        type=Number(0, 65535),
+        default=9400,
+        help="port to listen on (default 9400; 0: any free one)",
     )
     parser.add_argument(
         "--interval",
-        type=float,
+        type=Seconds(positive=True),
         default=2.0,
         metavar="SECONDS",
         help="read the GPUs every SECONDS (default 2); requests are answered from the last reading",
@@ -37,11 +41,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Sample the GPUs in the background and serve the last sample until stopped."""
-    if not 0 <= args.port <= 65535:
-        raise InvalidArgumentError(
-            f"Cannot listen on port {args.port}: ports go from 0 to 65535.",
-            hint="Use e.g. --port 9400, or --port 0 to let the system pick a free one.",
-        )
     try:
         from gpukit.serve import DashboardServer, Sampler, is_loopback
     except ImportError as exc:
