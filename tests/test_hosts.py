@@ -152,7 +152,7 @@ def test_an_inventory_with_readings_of_the_wrong_type_is_refused(gpu: dict[str, 
 @pytest.mark.parametrize(
     ("answer", "why"),
     [
-        ('{"schema": "gpukit.gpus.inventory/9", "gpus": []}', "this gpukit reads"),
+        ('{"schema": "gpukit.inventory/9", "gpus": []}', "this gpukit reads"),
         ("{not json", "broken JSON"),
         ("[1, 2]", "nvidia-smi columns"),
         ("", "nvidia-smi listed no GPU"),
