@@ -6,8 +6,10 @@ fails the test instead of blocking the suite, and checks afterwards that no work
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -195,19 +197,32 @@ def _two_nodes(tmp_path: Path) -> tuple[list[subprocess.Popen[str]], list[tuple[
         str(SCRIPTS / "torchrun_train.py"),
         str(tmp_path),
     ]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
     nodes = [
         subprocess.Popen(
-            command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command,
+            env=_env(),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # so that a stop reaches the node's workers too
         )
-        for _ in range(2)
+        for log in logs
     ]
     try:
-        outputs = [node.communicate(timeout=180) for node in nodes]
+        # When one node fails (its rendezvous port was taken, say), the other would wait for
+        # it until torch's own rendezvous timeout: stop it too.
+        deadline = time.monotonic() + 300
+        while any(n.poll() is None for n in nodes) and time.monotonic() < deadline:
+            if any(n.poll() not in (None, 0) for n in nodes):
+                break
+            time.sleep(0.1)
     finally:
         for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=10)
+    outputs = [("", log.read_text()) for log in logs]
     return nodes, outputs
 
 
