@@ -19,11 +19,12 @@ def main() -> None:
         payload = {"machine": machine_description(), "results": [r.to_json() for r in results]}
         print(json.dumps(payload, indent=2))
         return
-    print(f"{'measure':32} {'seconds':>9}  {'vs':32} {'seconds':>9} {'ratio':>6}")
+    print(f"{'measure':42} {'value':>11}  {'vs':34} {'value':>11} {'ratio':>6}")
     for r in results:
         ratio = "" if r.ratio is None else f"{r.ratio:.2f}x"
-        base = "" if r.baseline_value is None else f"{r.baseline_value:9.3f}"
-        print(f"{r.name:32} {r.value:9.3f}  {r.baseline_name or '':32} {base} {ratio:>6}")
+        base = "" if r.baseline_value is None else f"{r.baseline_value:7.3f} {r.unit:3}"
+        value = f"{r.value:7.3f} {r.unit:3}"
+        print(f"{r.name:42} {value}  {r.baseline_name or '':34} {base} {ratio:>6}")
     print(results[0].note)
 
 

@@ -26,21 +26,34 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module -> the test files that state its behaviour
 CORE: dict[str, list[str]] = {
-    "gpukit.gpus.claims": ["tests/test_claims.py"],
-    "gpukit.gpus.select": ["tests/test_select.py", "tests/cli/test_pick.py"],
-    "gpukit.gpus.waiting": ["tests/test_waiting.py", "tests/cli/test_run.py"],
-    "gpukit.gpus.visible": ["tests/test_visible.py"],
+    "gpukit.gpus.claims": ["tests/test_claims.py", "tests/test_lock_security.py"],
+    "gpukit.gpus.select": ["tests/test_select.py", "tests/test_pick_boundaries.py"],
+    "gpukit.gpus.line": ["tests/test_waiting.py"],
+    "gpukit.gpus.waiting": ["tests/test_waiting.py", "tests/test_acquire.py"],
+    "gpukit.gpus.lockfiles": ["tests/test_lockfiles.py", "tests/test_lock_security.py"],
+    "gpukit.gpus.visible": ["tests/test_visible.py", "tests/test_visible_boundaries.py"],
     "gpukit.transfer": ["tests/test_transfer.py"],
     "gpukit.parallel.scatter": ["tests/parallel/test_scatter.py"],
-    "gpukit.parallel.gather": ["tests/parallel/test_gather.py"],
-    "gpukit.checkpoint.keys": ["tests/test_checkpoint_keys.py", "tests/test_checkpoint_load.py"],
-    "gpukit.checkpoint.io": [
-        "tests/test_checkpoint_atomic.py",
+    "gpukit.parallel.gather": [
+        "tests/parallel/test_gather.py",
+        "tests/parallel/test_gather_devices.py",
+    ],
+    "gpukit.checkpoint.keys": [
+        "tests/test_checkpoint_keys.py",
         "tests/test_checkpoint_load.py",
-        "tests/test_checkpoint_save.py",
+        "tests/test_checkpoint_which_weights.py",
+    ],
+    "gpukit.checkpoint.io": ["tests/test_checkpoint_load.py", "tests/test_checkpoint_save.py"],
+    "gpukit.checkpoint.atomic": [
+        "tests/test_checkpoint_atomic.py",
+        "tests/test_checkpoint_durability.py",
     ],
     "gpukit.memory.batch_size": ["tests/test_batch_size.py"],
-    "gpukit.distributed.data": ["tests/test_distributed.py"],
+    "gpukit.distributed.data": [
+        "tests/test_distributed.py",
+        "tests/test_distributed_loader_epochs.py",
+    ],
+    "gpukit._tree": ["tests/test_tree.py", "tests/test_transfer.py"],
 }
 
 
@@ -57,7 +70,9 @@ def _config(module: str, tests: list[str]) -> str:
     )
 
 
-def run_module(module: str, tests: list[str], keep: Path | None) -> dict[str, int | float | str]:
+def run_module(
+    module: str, tests: list[str], keep: Path | None, children: int | None = None
+) -> dict[str, int | float | str]:
     """Mutate ``module`` in a scratch copy, run its tests against each mutant, return the counts."""
     present = [t for t in tests if (ROOT / t).exists()]
     if not present:
@@ -71,7 +86,8 @@ def run_module(module: str, tests: list[str], keep: Path | None) -> dict[str, in
         pyproject = (ROOT / "pyproject.toml").read_text()
         pyproject = re.sub(r"\n\[tool\.mutmut\]\n(?:[^\[].*\n|\n)*", "\n", pyproject)
         (scratch / "pyproject.toml").write_text(pyproject + _config(module, present))
-        subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=scratch, check=False)
+        limit = [] if children is None else ["--max-children", str(children)]
+        subprocess.run([sys.executable, "-m", "mutmut", "run", *limit], cwd=scratch, check=False)
         subprocess.run(
             [sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=scratch, check=True
         )
@@ -107,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the core modules and tests")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--survivors", type=Path, help="write each module's survivors here")
+    parser.add_argument("--max-children", type=int, help="mutants tested at once (default: cores)")
     args = parser.parse_args(argv)
     if args.list:
         for module, tests in CORE.items():
@@ -115,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.modules if m not in CORE]
     if unknown:
         parser.error(f"not a core module: {', '.join(unknown)} (see --list)")
-    results = [run_module(m, CORE[m], args.survivors) for m in (args.modules or CORE)]
+    results = [
+        run_module(m, CORE[m], args.survivors, args.max_children) for m in (args.modules or CORE)
+    ]
     print(f"\n{'module':32} {'mutants':>8} {'killed':>7} {'survived':>9} {'score':>6}")
     for r in results:
         print(

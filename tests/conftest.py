@@ -40,6 +40,21 @@ def skip_without_bench_extra(exc: ImportError) -> None:
     pytest.skip(f"{name} is not installed (pip install 'gpukit[bench]')")
 
 
+# Variables that restrict which GPUs gpukit chooses among, or describe a job it runs in: a test
+# that needs one sets it, and none leaks from the shell (a GPU server, a Slurm job) or from a
+# test that set it without monkeypatch (set_visible_devices writes os.environ itself).
+JOB_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_grant(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in JOB_VARIABLES:
+        # setenv first, so that monkeypatch restores the variable's absence even when the
+        # test sets it behind monkeypatch's back.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def machines_dir() -> Path:
     """The folder of machine descriptions (what NVML reports on real machines)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import gpukit as gk
-from gpukit.checkpoint.io import TMP_SUFFIX
+from gpukit.checkpoint.atomic import TMP_SUFFIX
 
 _ELEMENTS = 1_000_000  # 4 MB: a save takes long enough for kills to land inside it
 
@@ -119,3 +120,64 @@ def _pid_of_finished_process() -> int:
     process.join()
     assert process.pid is not None
     return process.pid
+
+
+_PARTS = 4  # the folder's weights: four 1 MB tensors, one shard each
+
+
+def _save_folder_forever(target: str, first: int, conn: Connection) -> None:
+    torch.set_num_threads(1)
+    parts = [torch.empty(_ELEMENTS // _PARTS) for _ in range(_PARTS)]
+    conn.send("started")
+    generation = first
+    while True:
+        for part in parts:
+            part.fill_(float(generation))
+        state = {f"w{i}": part for i, part in enumerate(parts)}
+        gk.save(state, target, max_shard_size=_ELEMENTS)  # 4 MB limit: a shard per tensor
+        conn.send(generation)
+        generation += 1
+
+
+def _generation_in_folder(folder: Path) -> int:
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert sorted(p.name for p in folder.iterdir()) == [*shards, "model.safetensors.index.json"]
+    values = {float(t.min()) for s in shards for t in load_file(folder / s).values()}
+    values |= {float(t.max()) for s in shards for t in load_file(folder / s).values()}
+    assert len(values) == 1  # every shard of the folder comes from the same save
+    return int(values.pop())
+
+
+@pytest.mark.slow
+def test_killing_a_folder_save_at_random_moments_leaves_the_old_or_the_new_folder_whole(
+    tmp_path: Path,
+):
+    target = tmp_path / "weights"
+    gk.save({f"w{i}": torch.zeros(_ELEMENTS // _PARTS) for i in range(_PARTS)}, target)
+    on_disk = 0
+    context = multiprocessing.get_context("fork")
+    rng = random.Random(4321)
+    kills_mid_write = 0
+    for round_ in range(1, 26):
+        receiver, sender = context.Pipe(duplex=False)
+        first = round_ * 10_000
+        child = context.Process(target=_save_folder_forever, args=(str(target), first, sender))
+        child.start()
+        assert receiver.recv() == "started"
+        time.sleep(rng.uniform(0.0, 0.15))
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join()
+        finished = _drain(receiver)
+        leftovers = _temporaries(tmp_path)
+        kills_mid_write += bool(leftovers)
+        assert len(leftovers) <= 1  # each save clears what dead savers left
+        last_done = finished[-1] if finished else on_disk
+        next_one = finished[-1] + 1 if finished else first
+        on_disk = _generation_in_folder(target)
+        assert on_disk in (last_done, next_one)
+    assert kills_mid_write > 0
+    gk.save({"w0": torch.ones(2)}, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["weights"]

@@ -129,12 +129,31 @@ def test_saved_file_gets_the_permissions_of_an_ordinary_new_file(tmp_path: Path)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-def test_save_writes_tied_weights_to_safetensors(tmp_path: Path):
+def _tied() -> nn.Sequential:
     model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
     model[1].weight = model[0].weight
-    gk.save(model, tmp_path / "tied.safetensors")
-    loaded = load_file(tmp_path / "tied.safetensors")
-    assert torch.equal(loaded["0.weight"], loaded["1.weight"])
+    return model
+
+
+def test_tied_weights_are_stored_once_in_safetensors_and_load_back_tied(tmp_path: Path):
+    source = _tied()
+    gk.save(source, tmp_path / "tied.safetensors")
+    assert list(load_file(tmp_path / "tied.safetensors")) == ["0.weight"]
+    target = _tied()
+    report = gk.load(target, tmp_path / "tied.safetensors")
+    assert report.ok
+    assert report.tied == {"1.weight": "0.weight"}
+    assert torch.equal(target[1].weight, source[0].weight)
+    assert target[1].weight is target[0].weight
+
+
+def test_weights_tied_at_save_fill_both_parameters_of_an_untied_model(tmp_path: Path):
+    source = _tied()
+    gk.save(source, tmp_path / "tied.safetensors")
+    target = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    gk.load(target, tmp_path / "tied.safetensors")
+    assert torch.equal(target[0].weight, source[0].weight)
+    assert torch.equal(target[1].weight, source[0].weight)
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -186,3 +188,64 @@ def test_device_list_refuses_a_single_string() -> None:
     with pytest.raises(DeviceError, match=r"a list of devices, not the single value 'cpu'"):
         device_list("cpu")  # type: ignore[arg-type]
     assert device_list(["cpu"] * 2) == [torch.device("cpu")] * 2
+
+
+@pytest.fixture
+def nvml_counts(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[str]]:
+    """A CUDA build of torch whose NVML sees ``n`` GPUs (-1: no NVML); records driver starts."""
+    started: list[str] = []
+
+    def set_count(n: int) -> list[str]:
+        monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+        monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: n)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: started.append("is_available"))
+
+        def cuda_get_device_count() -> int:
+            started.append("cudaGetDeviceCount")
+            return 1
+
+        monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", cuda_get_device_count, raising=False)
+        return started
+
+    return set_count
+
+
+def test_devices_are_counted_through_nvml_without_starting_the_driver(
+    nvml_counts: Callable[[int], list[str]],
+) -> None:
+    started = nvml_counts(2)
+    assert gk.device("auto") == torch.device("cuda", 0)
+    assert gk.try_gpu(1) == torch.device("cuda", 1)
+    assert gk.try_all_gpus() == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert gk.device("cuda:1") == torch.device("cuda", 1)
+    assert started == []
+
+
+def test_devices_are_counted_by_cuda_only_where_nvml_is_missing(
+    nvml_counts: Callable[[int], list[str]],
+) -> None:
+    started = nvml_counts(-1)
+    assert gk.try_all_gpus() == [torch.device("cuda", 0)]
+    assert started == ["cudaGetDeviceCount"]
+
+
+def test_a_cuda_index_too_large_for_torch_is_a_device_error() -> None:
+    with pytest.raises(DeviceError, match="cuda:99999999999999999999 is not visible"):
+        gk.device("cuda:" + "9" * 20)
+
+
+@pytest.mark.parametrize("spec", ["meta", "xpu", "hpu", "privateuseone", "xpu:1", "hpu:0"])
+def test_any_device_type_torch_knows_is_accepted_as_a_string(spec: str) -> None:
+    assert gk.device(spec) == torch.device(spec)
+
+
+def test_to_device_accepts_the_meta_device_by_name() -> None:
+    moved = gk.to_device({"x": torch.ones(2)}, "meta")
+    assert moved["x"].device == torch.device("meta")
+
+
+@pytest.mark.parametrize("i", ["x", "0", 1.0, None, True, -1])
+def test_try_gpu_refuses_what_is_not_a_gpu_index(i: object) -> None:
+    with pytest.raises(DeviceError, match=r"try_gpu\("):
+        gk.try_gpu(i)  # type: ignore[arg-type]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -13,12 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 from gpukit import distributed as dist
 from gpukit._tree import leaves_with_paths
-from gpukit.distributed.data import _batch_len, kept_mask, per_device_size
-from gpukit.distributed.env import read_env
+from gpukit.distributed.data import RankBatches, SampleWeights, per_device_size
 from gpukit.distributed.launcher import _failures
 from gpukit.distributed.process_group import _disagreement, _signature
 from gpukit.errors import DistributedError, InvalidArgumentError
@@ -51,41 +48,23 @@ def _ids_loader(n: int, *, shuffle: bool = False, batch_size: int = 4) -> DataLo
     return DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, shuffle=shuffle)
 
 
-def test_read_env_takes_ranks_from_torchrun_variables() -> None:
-    env = read_env(TORCHRUN)
+def test_environment_takes_ranks_from_torchrun_variables() -> None:
+    env = dist.environment(TORCHRUN)
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
     assert env.source == "torchrun"
 
 
-def test_read_env_takes_ranks_from_slurm_when_torchrun_did_not_set_them() -> None:
-    env = read_env(
-        {
-            "SLURM_PROCID": "5",
-            "SLURM_NTASKS": "8",
-            "SLURM_LOCALID": "1",
-            "SLURM_TASKS_PER_NODE": "4(x2)",
-            "MASTER_ADDR": "node1",
-            "MASTER_PORT": "29500",
-        }
-    )
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
-    assert env.source == "slurm"
-
-
-def test_read_env_under_slurm_without_master_addr_says_how_to_set_it() -> None:
+def test_environment_under_slurm_without_a_node_list_or_master_addr_says_what_is_missing() -> None:
     with pytest.raises(DistributedError, match="MASTER_ADDR") as info:
-        read_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"})
-    assert "scontrol show hostnames" in str(info.value)
+        dist.environment(
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0"}
+        )
+    assert "SLURM_JOB_NODELIST" in str(info.value)
 
 
-def test_read_env_rejects_a_rank_outside_the_world() -> None:
+def test_environment_rejects_a_rank_outside_the_world() -> None:
     with pytest.raises(DistributedError, match="rank 4 does not fit"):
-        read_env({**TORCHRUN, "RANK": "4"})
-
-
-def test_read_env_without_a_launcher_is_rank_0_of_1() -> None:
-    env = read_env({})
-    assert (env.rank, env.world_size, env.launched) == (0, 1, False)
+        dist.environment({**TORCHRUN, "RANK": "4"})
 
 
 def test_init_without_a_launcher_is_a_single_process_on_the_auto_device() -> None:
@@ -173,39 +152,76 @@ def test_set_epoch_picks_the_shuffle_of_that_epoch() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    n=st.integers(1, 60), world=st.integers(1, 6), batch=st.integers(1, 7), shuffle=st.booleans()
+    n=st.integers(1, 60),
+    world=st.integers(1, 6),
+    per_device=st.integers(1, 5),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
 )
-def test_kept_mask_keeps_every_sample_exactly_once_over_torchs_distributed_sampler(
-    n: int, world: int, batch: int, shuffle: bool
+def test_ranks_split_the_global_batches_of_one_process_without_repeating_a_sample(
+    n: int, world: int, per_device: int, shuffle: bool, drop_last: bool
 ) -> None:
-    shards = [
-        list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle))
-        for r in range(world)
-    ]
-    kept: list[int] = []
-    for start in range(0, len(shards[0]), batch):
-        gathered = [i for shard in shards for i in shard[start : start + batch]]
-        length = len(shards[0][start : start + batch])
-        mask = kept_mask(n, world, start, length)
-        kept += [i for i, keep in zip(gathered, mask, strict=True) if keep]
-    assert sorted(kept) == list(range(n))
+    def batches(rank: int, size: int) -> list[list[int]]:
+        sampler = RankBatches(
+            n,
+            global_batch_size=per_device * world,
+            rank=rank,
+            world_size=size,
+            shuffle=shuffle,
+            seed=5,
+            drop_last=drop_last,
+        )
+        return list(sampler)
+
+    single = batches(0, 1)
+    per_rank = [batches(r, world) for r in range(world)]
+    assert {len(b) for b in per_rank} == {len(single)}  # every rank takes every step
+    # In rank order, the shares of each step are exactly one process's global batch.
+    joined = [[i for b in per_rank for i in b[step]] for step in range(len(single))]
+    assert joined == single
+    seen = sorted(i for batch in single for i in batch)
+    full = n - n % (per_device * world) if drop_last else n
+    assert len(seen) == full
+    assert len(set(seen)) == full
+
+
+def test_a_rank_with_no_sample_in_the_last_step_gets_an_empty_batch_of_the_same_structure() -> None:
+    data = TensorDataset(torch.arange(13), torch.ones(13, 2))
+    loader = dist.DistributedLoader(
+        DataLoader(data, batch_size=4),
+        batch_size=2,
+        rank=2,
+        world_size=3,
+        device=torch.device("cpu"),
+        seed=0,
+    )
+    got = list(loader)
+    assert [b[0].tolist() for b in got] == [[4, 5], [10, 11], []]
+    assert got[-1][1].shape == (0, 2)
+
+
+def test_sample_weights_weigh_each_rank_by_its_share_of_the_global_batch() -> None:
+    data = TensorDataset(torch.arange(13))
+    weights = SampleWeights(world_size=3)
+    seen = []
+    for rank in range(3):
+        loader = dist.DistributedLoader(
+            DataLoader(data, batch_size=4),
+            batch_size=2,
+            rank=rank,
+            world_size=3,
+            device=torch.device("cpu"),
+            seed=0,
+        )
+        seen.append([weights.weight() for _ in loader])
+    # Steps of 6 samples give each rank 2/6; the last step's one sample is all rank 0's.
+    assert seen == [[1 / 3, 1 / 3, 1.0], [1 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 0.0]]
+    assert weights.weight() == 1 / 3  # outside a loader: DDP's plain average
 
 
 def test_gather_for_metrics_in_one_process_returns_the_values_themselves() -> None:
     values = {"pred": torch.arange(3)}
     assert dist.gather_for_metrics(values) is values
-
-
-def test_batch_length_is_found_inside_namedtuples_and_dataclasses_too() -> None:
-    @dataclasses.dataclass
-    class Batch:
-        ids: list[str]
-        x: torch.Tensor
-
-    pair = collections.namedtuple("pair", ["empty", "y"])
-    assert _batch_len({"name": "b", "pair": pair(torch.zeros(0), torch.zeros(4, 2))}) == 4
-    assert _batch_len([Batch(["a"], torch.zeros(3, 1))]) == 3
-    assert _batch_len({"only": "text"}) == 0
 
 
 def _signatures(x: object) -> dict[tuple[object, ...], object]:
@@ -298,6 +314,7 @@ def test_prepare_refuses_objects_that_are_not_a_model_optimizer_or_loader(
                 "SLURM_PROCID": "0",
                 "SLURM_NTASKS": "2",
                 "SLURM_LOCALID": "x",
+                "SLURM_STEP_ID": "0",
                 "MASTER_ADDR": "node1",
                 "MASTER_PORT": "29500",
             },
@@ -305,11 +322,11 @@ def test_prepare_refuses_objects_that_are_not_a_model_optimizer_or_loader(
         ),
     ],
 )
-def test_read_env_names_a_local_rank_variable_that_is_not_an_integer(
+def test_environment_names_a_local_rank_variable_that_is_not_an_integer(
     env: dict[str, str], name: str
 ) -> None:
     with pytest.raises(DistributedError, match=f"{name}=.* is not an integer"):
-        read_env(env)
+        dist.environment(env)
 
 
 def test_prepare_given_both_batch_sizes_says_both_even_when_one_is_zero() -> None:
@@ -335,3 +352,70 @@ def test_launch_refuses_a_function_spawned_processes_cannot_receive() -> None:
 def test_all_reduce_mean_refuses_what_is_not_a_tensor_or_number(value: object) -> None:
     with pytest.raises(InvalidArgumentError, match="a tensor or a number"):
         dist.all_reduce_mean(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["bogus", "", 3, "NCCL2"])
+def test_init_refuses_a_backend_torch_does_not_know(backend: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"backend={backend!r} is not a torch"):
+        dist.init(backend=backend)  # type: ignore[arg-type]
+
+
+def test_a_function_defined_in_python_c_is_refused_before_any_worker_starts() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    code = (
+        "import gpukit as gk\n"
+        "from gpukit import distributed as dist\n"
+        "def f(): return 1\n"
+        "try:\n"
+        "    dist.launch(f, 2)\n"
+        "except gk.InvalidArgumentError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "defined in `python -c`, a notebook cell or the REPL" in out
+    assert 'start_method="fork"' in out
+
+
+def test_a_result_that_cannot_be_pickled_is_named_with_its_type() -> None:
+    import threading
+
+    from gpukit.distributed.launcher import _check_result_travels
+
+    _check_result_travels(len, {"loss": [0.5], "weights": torch.zeros(2)})
+    with pytest.raises(InvalidArgumentError, match="returned a generator, which cannot be sent"):
+        _check_result_travels(len, (i for i in range(2)))
+    with pytest.raises(InvalidArgumentError, match="returned a lock"):
+        _check_result_travels(len, threading.Lock())
+
+
+def test_a_rank_that_exited_before_starting_is_reported_as_unable_to_load_the_function(
+    tmp_path: Path,
+) -> None:
+    from types import SimpleNamespace
+
+    failure = SimpleNamespace(exitcode=1, pid=42, signal_name=lambda: "")
+    (tmp_path / "1.start").touch()  # rank 1 reached fn; rank 0 never did
+    texts = dict((rank, text) for rank, text, _ in _failures({0: failure, 1: failure}, tmp_path))
+    assert "could not load it or its arguments" in texts[0]
+    assert "without a Python error" in texts[1]
+
+
+@pytest.mark.parametrize("weight", [-1, float("nan"), True, "3"])
+def test_all_reduce_mean_refuses_a_weight_that_is_not_a_sample_count(weight: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="weight"):
+        dist.all_reduce_mean(1.0, weight=weight)  # type: ignore[arg-type]
+
+
+def test_all_reduce_mean_with_a_weight_in_one_process_is_the_value_itself() -> None:
+    assert dist.all_reduce_mean(torch.tensor([2.0, 4.0]), weight=3).tolist() == [2.0, 4.0]

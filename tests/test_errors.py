@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import gpukit as gk
 from gpukit import errors
 from tests.conftest import run_python
@@ -40,3 +42,47 @@ def test_importing_gpukit_does_not_import_torch() -> None:
     code = "import sys, gpukit, gpukit.errors, gpukit.cli.main; print('torch' in sys.modules)"
     out = run_python(code)
     assert out.strip() == "False"
+
+
+def test_every_error_class_is_importable_from_gpukit_and_listed_in_all() -> None:
+    classes = [
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, errors.GpukitError)
+    ]
+    for name in classes:
+        assert name in gk.__all__, name
+        assert getattr(gk, name) is getattr(errors, name)
+
+
+def test_every_error_the_docs_name_is_importable_from_gpukit() -> None:
+    import builtins
+    import re
+
+    from tests.conftest import ROOT
+
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {m for path in texts for m in re.findall(r"\b([A-Z]\w*Error)\b", path.read_text())}
+    ours = {name for name in named if not hasattr(builtins, name)}
+    foreign = {"ChildFailedError", "NVMLError", "OutOfMemoryError", "PicklingError"}
+    missing = sorted(name for name in ours - foreign if not hasattr(gk, name))
+    assert missing == []
+    assert "WorkerFailedError" in ours
+    from gpukit import GatherError, ReplicaError, VisibleDevicesError, WorkerFailedError
+
+    assert GatherError.__module__ == ReplicaError.__module__ == "gpukit.errors"
+    assert VisibleDevicesError.__module__ == WorkerFailedError.__module__ == "gpukit.errors"
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None, "True"])
+def test_switches_refuse_values_that_are_only_truthy(value: object) -> None:
+    with pytest.raises(errors.InvalidArgumentError, match="is not True or False") as caught:
+        errors.check_bool("trust", value)
+    assert f"trust={value!r}" in caught.value.message
+    assert caught.value.hint is not None
+
+
+def test_switches_take_true_false_and_where_allowed_none() -> None:
+    errors.check_bool("trust", True)
+    errors.check_bool("trust", False)
+    errors.check_bool("benchmark", None, allow_none=True)

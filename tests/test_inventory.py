@@ -197,7 +197,7 @@ def test_an_unreadable_fake_machine_file_names_the_variable(
 
 def test_from_json_refuses_another_schema() -> None:
     with pytest.raises(InvalidArgumentError, match="schema"):
-        Inventory.from_json({"schema": "gpukit.gpus.inventory/999", "gpus": []})
+        Inventory.from_json({"schema": "gpukit.inventory/999", "gpus": []})
 
 
 def test_from_json_ignores_fields_added_by_a_newer_writer(

@@ -120,3 +120,13 @@ def test_no_import_cycles_between_library_modules() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def test_the_architecture_map_names_every_module() -> None:
+    architecture = (SRC.parent.parent / "docs" / "architecture.md").read_text()
+    unnamed = [
+        str(path.relative_to(SRC))
+        for path in sorted(SRC.rglob("*.py"))
+        if path.name != "__init__.py" and path.name not in architecture
+    ]
+    assert unnamed == [], f"docs/architecture.md does not name {unnamed}"

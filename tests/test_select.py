@@ -15,7 +15,7 @@ import gpukit as gk
 from gpukit.errors import InvalidArgumentError, NoDriverError, NoGpuAvailableError
 from gpukit.gpus.claims import Holder
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.select import Criteria, assess, parse_size, pick
+from gpukit.gpus.select import parse_size, pick
 
 ROOT = Path(__file__).resolve().parent.parent
 MACHINES = sorted((Path(__file__).parent / "fixtures" / "machines").glob("*.json"))
@@ -41,26 +41,62 @@ def _machine(monkeypatch: pytest.MonkeyPatch, path: Path) -> Inventory:
     return inventory()
 
 
-@pytest.mark.parametrize("criteria", CRITERIA, ids=repr)
+# What pick() must answer for each machine and criteria (CRITERIA's order): the qualifying GPUs,
+# most free memory first, ties by index. Worked out by hand from the fixtures (free = total - used
+# - reserved), e.g. on the A100 server: GPUs 2 and 4 have 84.9e9 bytes free and no process,
+# 7 has 82.9e9 (1 process, 3% busy), 5 72.4e9 (1, 41%), 3 44.0e9 (1, 0%), 0 and 1 8.9e9 (1, 98%
+# and 97%), 6 nothing (1, 100%). A lost GPU and a GPU in MIG mode never qualify.
+EXPECTED: dict[str, list[list[int]]] = {
+    # one list per CRITERIA entry: {}, 20GiB, 60GiB, util<=10, procs<=1, 4GiB+50%+1 proc, not 0
+    "kaggle-2xT4-idle": [[0, 1], [], [], [0, 1], [0, 1], [0, 1], [1]],
+    "kaggle-2xT4-one-lost": [[0], [], [], [0], [0], [0], []],
+    "laptop-rtx3060": [[], [], [], [], [], [], []],
+    "server-2xH100-mig": [[], [1], [1], [], [1], [1], []],
+    "server-4xL4-idle": [
+        [0, 1, 2, 3],
+        [0, 1, 2, 3],
+        [],
+        [0, 1, 2, 3],
+        [0, 1, 2, 3],
+        [0, 1, 2, 3],
+        [1, 2, 3],
+    ],
+    "server-8xA100-shared": [
+        [2, 4],
+        [2, 4, 7, 5, 3],
+        [2, 4, 7, 5],
+        [2, 4],
+        [2, 4, 7, 5, 3, 0, 1, 6],
+        [2, 4, 7, 5, 3],
+        [2, 4],
+    ],
+    "workstation-mixed-order": [[1, 0], [1], [], [1, 0], [1, 0], [1, 0], [1]],
+}
+
+
+def test_every_machine_with_a_driver_has_hand_written_expected_picks() -> None:
+    assert sorted(EXPECTED) == sorted(m.stem for m in WITH_DRIVER)
+    assert all(len(row) == len(CRITERIA) for row in EXPECTED.values())
+
+
+@pytest.mark.parametrize("which", range(len(CRITERIA)), ids=lambda i: repr(CRITERIA[i]))
 @pytest.mark.parametrize("machine", WITH_DRIVER, ids=lambda p: p.stem)
 def test_pick_returns_only_qualifying_gpus_most_free_first_or_explains_every_rejection(
-    monkeypatch: pytest.MonkeyPatch, machine: Path, criteria: dict[str, object]
+    monkeypatch: pytest.MonkeyPatch, machine: Path, which: int
 ) -> None:
     inv = _machine(monkeypatch, machine)
-    verdicts = assess(inv, Criteria.make(**criteria), {})  # type: ignore[arg-type]
-    qualifying = {v.gpu.index for v in verdicts if v.ok}
+    criteria = CRITERIA[which]
+    expected = EXPECTED[machine.stem][which]
+    rejected = [g.index for g in inv.gpus if g.index not in expected]
     for n in range(1, len(inv.gpus) + 2):
-        if len(qualifying) < n:
+        if n > len(expected):
             with pytest.raises(NoGpuAvailableError) as info:
                 pick(n, inventory=inv, claims={}, **criteria)  # type: ignore[arg-type]
-            rejected = [v.gpu.index for v in verdicts if not v.ok]
             assert all(f"GPU {i}: " in info.value.message for i in rejected)
+            assert not any(f"GPU {i}: " in info.value.message for i in expected)
             continue
         chosen = pick(n, inventory=inv, claims={}, **criteria)  # type: ignore[arg-type]
-        assert len(chosen) == n
-        assert {g.index for g in chosen} <= qualifying
-        frees = [g.memory_free or 0 for g in chosen]
-        assert frees == sorted(frees, reverse=True)
+        assert [g.index for g in chosen] == expected[:n]
 
 
 def test_pick_without_criteria_takes_only_idle_gpus_of_a_shared_server(
@@ -232,3 +268,39 @@ def test_pick_skips_a_lost_gpu_and_says_why(
     assert [g.index for g in gk.pick(1)] == [0]
     with pytest.raises(NoGpuAvailableError, match=r"GPU 1: unreadable by NVML \(GPU is lost\)"):
         gk.pick(2)
+
+
+@pytest.mark.parametrize(
+    ("criteria", "says"),
+    [
+        ({"min_free": float("nan")}, "nan is not a memory size"),
+        ({"min_free": float("inf")}, "inf is not a memory size"),
+        ({"min_free": "9" * 400}, "is more memory than any GPU has"),
+        ({"min_free": 2**101}, "is more memory than any GPU has"),
+        ({"min_free": "²GiB"}, "Cannot read '²GiB' as a memory size"),
+        ({"min_free": [8]}, "[8] is not a memory size"),
+        ({"max_util": float("nan")}, "max_util=nan is not a percentage"),
+        ({"max_util": "10"}, "max_util=10 is not a percentage"),
+        ({"max_util": True}, "max_util=True is not a percentage"),
+    ],
+)
+def test_pick_refuses_criteria_that_are_not_numbers_with_a_typed_error(
+    criteria: dict[str, object], says: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        gk.pick(1, claims={}, **criteria)  # type: ignore[arg-type]
+    assert says in caught.value.message
+
+
+def test_a_size_of_four_hundred_digits_is_read_exactly_not_as_infinity() -> None:
+    assert parse_size("1" + "0" * 29) == 10**29
+    assert parse_size("1.5GiB") == 3 * 2**29
+
+
+def test_pick_never_takes_an_excluded_gpu_even_the_best_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inv = _machine(monkeypatch, A100)  # idle: GPUs 2 and 4, equally free
+    assert [g.index for g in pick(1, inventory=inv, claims={}, exclude=[2])] == [4]
+    with pytest.raises(NoGpuAvailableError):
+        pick(2, inventory=inv, claims={}, exclude=[2])

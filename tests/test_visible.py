@@ -251,3 +251,129 @@ def test_physical_index_refuses_what_is_not_a_cuda_index(index: object) -> None:
 
     with pytest.raises(InvalidArgumentError, match="whole number"):
         gk.physical_index(index)  # type: ignore[arg-type]
+
+
+class _FakeDriver:
+    """libcuda as ctypes shows it: cuDeviceGetCount answers as the driver would."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def cuDeviceGetCount(self, _count: object) -> int:
+        self.calls += 1
+        return self.answer
+
+
+def test_set_visible_devices_raises_when_the_driver_was_started_outside_torch_is_initialized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch.cuda.is_available() runs cuInit while torch.cuda.is_initialized() stays False.
+    import gpukit.gpus.visible as visible
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    driver = _FakeDriver(answer=0)  # CUDA_SUCCESS: cuInit has run
+    monkeypatch.setattr(visible, "_loaded_cuda_driver", lambda: driver)
+    with pytest.raises(CudaAlreadyInitializedError, match=r"torch\.cuda\.is_available"):
+        gk.set_visible_devices([1])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert driver.calls == 1
+
+
+def test_set_visible_devices_raises_when_cuinit_failed_as_the_variable_was_read_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gpukit.gpus.visible as visible
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    no_device = 100  # CUDA_ERROR_NO_DEVICE, what cuInit met with CUDA_VISIBLE_DEVICES=""
+    monkeypatch.setattr(visible, "_loaded_cuda_driver", lambda: _FakeDriver(no_device))
+    with pytest.raises(CudaAlreadyInitializedError):
+        gk.set_visible_devices([0])
+
+
+def test_set_visible_devices_works_while_the_loaded_driver_is_not_initialised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gpukit.gpus.visible as visible
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    not_initialized = 3  # CUDA_ERROR_NOT_INITIALIZED: loaded, cuInit never called
+    monkeypatch.setattr(visible, "_loaded_cuda_driver", lambda: _FakeDriver(not_initialized))
+    assert gk.set_visible_devices([1]) == "1"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_driver_probe_finds_a_loaded_library_and_never_loads_one_itself() -> None:
+    # libcuda is not on this machine, so the probe is tried on another library that exists.
+    code = (
+        "import ctypes, ctypes.util, gpukit.gpus.visible as v\n"
+        "name = next((n for n in map(ctypes.util.find_library, ('uuid', 'zstd', 'sqlite3'))\n"
+        "             if n and n.split('.so')[0] not in open('/proc/self/maps').read()), None)\n"
+        "if name is None:\n"
+        "    print('none'); raise SystemExit\n"
+        "v._DRIVER_LIBRARY = name\n"
+        "before = v._loaded_cuda_driver()\n"
+        "loaded = name.split('.so')[0] in open('/proc/self/maps').read()\n"
+        "ctypes.CDLL(name)\n"
+        "print(before is None, loaded, v._loaded_cuda_driver() is not None)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    if out.stdout.strip() == "none":
+        pytest.skip("no library to try the probe on")
+    assert out.stdout.split() == ["True", "False", "True"]
+
+
+@pytest.mark.gpu
+def test_visible_devices_set_after_asking_about_devices_is_the_device_cuda_uses() -> None:
+    # The promise of the README, on a real GPU: gk.device("auto") and friends do not start the
+    # driver, so the device CUDA shows afterwards is the one asked for.
+    if not torch.cuda.is_available():  # asked in this process only; the check runs in another
+        pytest.skip("needs a CUDA device")
+    code = (
+        "import torch, pynvml, gpukit as gk\n"
+        "gk.device('auto'); gk.try_gpu(0); gk.try_all_gpus()\n"
+        "pynvml.nvmlInit()\n"
+        "last = pynvml.nvmlDeviceGetCount() - 1\n"
+        "want = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(last))\n"
+        "gk.set_visible_devices([last])\n"
+        "seen = str(torch.cuda.get_device_properties(0).uuid)\n"
+        "print(want.removeprefix('GPU-') == seen, torch.cuda.device_count())\n"
+        "try:\n"
+        "    gk.set_visible_devices([0, last] if last else ['GPU-0'])\n"
+        "except gk.CudaAlreadyInitializedError:\n"
+        "    print('refused')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.split() == ["True", "1", "refused"]
+
+
+@pytest.mark.gpu
+def test_torch_is_available_makes_set_visible_devices_refuse() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    code = (
+        "import torch, gpukit as gk\n"
+        "torch.cuda.is_available()\n"
+        "print(torch.cuda.is_initialized())\n"
+        "try:\n"
+        "    gk.set_visible_devices([0])\n"
+        "except gk.CudaAlreadyInitializedError:\n"
+        "    print('refused')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.split() == ["False", "refused"]

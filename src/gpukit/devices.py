@@ -1,8 +1,11 @@
 """Devices: parse a device spec, choose one automatically, and see where a module lives.
 
-Nothing here initialises CUDA: counting devices goes through ``torch.cuda.device_count()``,
-which asks the driver (or NVML) without creating a CUDA context, so that
-``gk.set_visible_devices`` still works after these calls.
+Nothing here starts the CUDA driver. The driver reads ``CUDA_VISIBLE_DEVICES`` once, when it
+starts, and ``torch.cuda.is_available()`` starts it (through ``cudaGetDeviceCount``) while
+``torch.cuda.is_initialized()`` stays False. So devices are counted as torch does under
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``: through NVML, which honours ``CUDA_VISIBLE_DEVICES`` without
+starting anything, falling back to CUDA's own count only where NVML is missing. That keeps
+``gk.set_visible_devices`` working after these calls.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from gpukit.errors import DeviceError, MixedDevicesError
 DeviceLike = torch.device | int | str
 
 _SPEC = re.compile(r"^(?P<type>cpu|cuda|mps)(?::(?P<index>0|[1-9]\d*))?$")
+# Any other device type torch knows ("meta", "xpu", "hpu", "privateuseone"...), with an index.
+_OTHER = re.compile(r"^[a-z][a-z0-9_]*(?::(?:0|[1-9]\d{0,8}))?$")
 _SUGGESTIONS = {
     "gpu": "cuda",
     "gpu:0": "cuda:0",
@@ -31,6 +36,7 @@ _SUGGESTIONS = {
 
 __all__ = [
     "DeviceLike",
+    "cuda_device_count",
     "device",
     "device_list",
     "module_device",
@@ -40,8 +46,18 @@ __all__ = [
 ]
 
 
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+def cuda_device_count() -> int:
+    """How many CUDA devices this process sees, without starting the CUDA driver.
+
+    ``torch.cuda.device_count()`` asks NVML first and calls ``cudaGetDeviceCount`` (which starts
+    the driver) only where NVML cannot answer; ``torch.cuda.is_available()`` would start it
+    every time. As with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, a GPU that NVML sees but CUDA
+    cannot use (a driver too old for this torch) is counted, and fails on first use instead.
+    """
+    return int(torch.cuda.device_count())
+
+
+_cuda_count = cuda_device_count
 
 
 def cuda_initialized() -> bool:
@@ -107,7 +123,9 @@ def device(spec: DeviceLike = "auto") -> torch.device:
     ``spec`` is a ``torch.device``, a CUDA index (``1``), or one of ``"cpu"``, ``"cuda"``,
     ``"cuda:N"``, ``"mps"`` and ``"auto"``. ``"auto"`` is ``cuda:0`` when a CUDA device is
     visible, else ``mps`` when available, else ``cpu``. ``"cuda"`` means the current CUDA device
-    (``cuda:0`` before CUDA starts), always returned with its index.
+    (``cuda:0`` before CUDA starts), always returned with its index. Any other device type torch
+    accepts (``"meta"``, ``"xpu"``, ``"hpu"``, ``"privateuseone"``...) is passed through as
+    torch reads it, unchecked, as it is for a ``torch.device`` of that type.
 
     Raises :class:`~gpukit.errors.DeviceError` for unknown names and for devices this process
     cannot see, listing the ones it can.
@@ -132,15 +150,35 @@ def device(spec: DeviceLike = "auto") -> torch.device:
     if spec == "auto":
         return _auto()
     match = _SPEC.match(spec)
+    if match is None and _OTHER.match(spec):
+        other = _other_device(spec)
+        if other is not None:
+            return other
     if match is None or (match["type"] != "cuda" and match["index"] not in (None, "0")):
         cleaned = spec.strip().lower()
-        suggestion = _SUGGESTIONS.get(cleaned) or (cleaned if _SPEC.match(cleaned) else None)
+        suggestion = _SUGGESTIONS.get(cleaned) or (
+            cleaned if cleaned != spec and _SPEC.match(cleaned) else None
+        )
         hint = f'Did you mean "{suggestion}"? ' if suggestion else ""
         raise DeviceError(
             f"{spec!r} is not a device spec.",
             hint=hint + 'Use "cpu", "cuda", "cuda:N", "mps", or "auto".',
         )
-    return _validated(torch.device(spec), repr(spec) if spec != spec.strip() else spec)
+    if match["type"] == "cuda" and match["index"] is not None:
+        # Checked before torch parses it: torch refuses indices past 64 bits with a RuntimeError.
+        index = int(match["index"])
+        _check_cuda_index(index, spec)
+        return torch.device("cuda", index)
+    return _validated(torch.device(spec), spec)
+
+
+def _other_device(spec: str) -> torch.device | None:
+    """A device of a type gpukit does not check itself ("meta", "xpu"...), as torch reads it."""
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:  # not a device type torch knows
+        return None
+    return None if dev.type in ("cpu", "cuda", "mps") else dev
 
 
 def device_list(specs: Sequence[DeviceLike], *, what: str = "devices") -> list[torch.device]:
@@ -162,7 +200,14 @@ def try_gpu(i: int = 0) -> torch.device:
     >>> try_gpu(7) if not __import__("torch").cuda.is_available() else None
     device(type='cpu')
     """
-    if 0 <= i < _cuda_count():
+    if isinstance(i, bool) or not isinstance(i, int):
+        raise DeviceError(
+            f"try_gpu({i!r}): a GPU index is a whole number, not a {type(i).__name__}.",
+            hint='Pass 0 for the first GPU, 1 for the second; for a name use gk.device("cuda:1").',
+        )
+    if i < 0:
+        raise DeviceError(f"try_gpu({i}): GPU indices start at 0.", hint="Pass 0 or more.")
+    if i < _cuda_count():
         return torch.device("cuda", i)
     return torch.device("cpu")
 

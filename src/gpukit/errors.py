@@ -10,6 +10,7 @@ This module must not import torch: the command line imports it on every start.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import NoReturn
 
 
 class ExitCode(IntEnum):
@@ -167,3 +168,26 @@ class PolicyError(LockFolderError):
     Unsafe (writable by users other than the administrator) or malformed: gpukit refuses to
     guess what limits were meant, so nothing is claimed until it is fixed.
     """
+
+
+def _refuse_switch(name: str, value: object, allowed: str) -> NoReturn:
+    raise InvalidArgumentError(
+        f"{name}={value!r} (a {type(value).__name__}) is not {allowed}.",
+        hint=f"Pass {name}=True or {name}=False: any other value is refused, because a string "
+        'such as "no" or "false" would otherwise count as true.',
+    )
+
+
+def check_bool(name: str, value: object, *, allow_none: bool = False) -> None:
+    """Refuse anything but ``True`` or ``False`` (and ``None`` with ``allow_none``) for a switch.
+
+    Python treats any non-empty string as true, so ``load(model, path, trust="no")`` would
+    trust the file; gpukit's switches accept real booleans only.
+
+    >>> check_bool("trust", "no")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    gpukit.errors.InvalidArgumentError: trust='no' (a str) is not True or False. ...
+    """
+    if value is True or value is False or (allow_none and value is None):
+        return
+    _refuse_switch(name, value, "True, False or None" if allow_none else "True or False")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from gpukit.devices import cuda_initialized
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import InvalidArgumentError, check_bool
 
 __all__ = ["SEED_VAR", "ReproSettings", "seed_everything", "seed_worker"]
 
@@ -161,6 +161,8 @@ def seed_everything(
             f"seed={seed}{origin} is outside 0..{_MAX_SEED}, the range every generator accepts.",
             hint="Pass a seed in that range, for example seed % 2**32.",
         )
+    check_bool("deterministic", deterministic)
+    check_bool("benchmark", benchmark, allow_none=True)
     if benchmark is not None and deterministic and benchmark:
         raise InvalidArgumentError(
             "deterministic=True with benchmark=True: cuDNN's autotuner picks kernels by timing, "

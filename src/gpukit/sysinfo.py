@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from gpukit.devices import cuda_initialized
+from gpukit.devices import cuda_device_count, cuda_initialized
+from gpukit.errors import check_bool
 
 SCHEMA = "gpukit.info/1"
 
@@ -62,12 +63,16 @@ def _cpu() -> dict[str, Any]:
 def system_info(*, cuda_details: bool = True) -> dict[str, Any]:
     """Everything torch knows about this machine's devices, as a JSON-able dict.
 
-    ``cuda_details=False`` skips the per-device queries that start CUDA in this process
-    (``mem_get_info``), for callers that still want to set ``CUDA_VISIBLE_DEVICES``.
+    ``cuda_details=False`` skips every query that starts CUDA in this process
+    (``is_available``, ``mem_get_info``...), for callers that still want to set
+    ``CUDA_VISIBLE_DEVICES``; ``available`` then means that NVML sees a visible GPU.
     On a machine without a GPU the CUDA part says so (``available: false``) and the rest is full.
     """
-    available = torch.cuda.is_available()
-    count = torch.cuda.device_count() if available else 0
+    check_bool("cuda_details", cuda_details)
+    # torch.cuda.is_available() starts the CUDA driver, which then ignores later changes to
+    # CUDA_VISIBLE_DEVICES; without the details, count through NVML as gk.device does.
+    available = torch.cuda.is_available() if cuda_details else cuda_device_count() > 0
+    count = cuda_device_count() if available else 0
     mps = getattr(torch.backends, "mps", None)
     info: dict[str, Any] = {
         "schema": SCHEMA,

@@ -17,7 +17,7 @@ from torch import nn
 from gpukit import _tree
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import InvalidArgumentError, check_bool
 
 T = TypeVar("T")
 KeyPath = _tree.KeyPath
@@ -142,13 +142,10 @@ def to_device(
     >>> to_device(batch, "cpu") is batch
     True
     """
-    if not (isinstance(non_blocking, bool) or non_blocking == "auto"):
+    check_bool("pin", pin)
+    if non_blocking != "auto" and non_blocking is not True and non_blocking is not False:
         raise InvalidArgumentError(
             f"non_blocking={non_blocking!r} is not understood.", hint='Use True, False or "auto".'
-        )
-    if not isinstance(pin, bool):
-        raise InvalidArgumentError(
-            f"pin={pin!r} is not a bool.", hint="Pass pin=True or pin=False."
         )
     target = _parse_device(device)
     names, paths = _parse_skip(skip)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch import nn
 
@@ -61,14 +70,21 @@ def test_show_of_a_truncated_file_is_one_line_without_traceback(tmp_path: Path, 
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_convert_to_safetensors_refuses_extra_entries_unless_weights_only(tmp_path: Path, run_cli):
-    _dp_checkpoint(tmp_path / "dp.pt")
-    out = tmp_path / "clean.safetensors"
-    refused = run_cli("ckpt", "convert", str(tmp_path / "dp.pt"), str(out))
-    assert refused.returncode != 0
-    assert "'epoch'" in refused.stderr
-    assert "--weights-only" in refused.stderr
-    assert not out.exists()
+def test_convert_of_a_training_checkpoint_to_safetensors_keeps_weights_and_names_the_rest(
+    tmp_path: Path, run_cli
+):
+    model = nn.DataParallel(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 7}
+    torch.save(state, tmp_path / "train.pt")
+    out = tmp_path / "model.safetensors"
+    result = run_cli("ckpt", "convert", str(tmp_path / "train.pt"), str(out), env={"NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "left out optimizer, epoch" in result.stdout
+    assert list(load_file(out)) == ["weight", "bias"]
+    assert torch.equal(load_file(out)["weight"], model.module.weight.detach())
 
 
 def test_convert_cleans_keys_and_loads_into_the_plain_model_with_bare_safetensors(
@@ -102,3 +118,186 @@ def test_show_of_a_file_without_a_state_dict_lists_what_it_holds(tmp_path: Path,
     human = run_cli("ckpt", "show", str(tmp_path / "loose.pt"), env={"NO_COLOR": "1"})
     assert "no model weights found" in human.stdout
     assert "w: tensor [2], step: 3" in human.stdout
+
+
+def _one_line_usage_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr
+
+
+def _sharded(folder: Path) -> nn.Module:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    gk.save(model, folder, max_shard_size=1024)
+    return model
+
+
+def test_show_json_of_a_sharded_folder_lists_its_shards_and_tensors(tmp_path: Path, run_cli):
+    _sharded(tmp_path / "weights")
+    result = run_cli("ckpt", "show", str(tmp_path / "weights"), "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["schema"] == "gpukit.ckpt.show/1"
+    assert payload["format"] == "sharded safetensors"
+    assert payload["layout"] == "sharded"
+    names = [f["name"] for f in payload["files"]]
+    assert names == [
+        "model-00001-of-00002.safetensors",  # 0.weight (2 KiB) alone: over the 1 KiB limit
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert payload["size_bytes"] == sum(f["size_bytes"] for f in payload["files"])
+    assert payload["shard_count"] == 2
+    assert payload["index_file"] == "model.safetensors.index.json"
+    assert payload["tensors"][0] == {
+        "key": "0.weight",
+        "shape": [32, 16],
+        "dtype": "float32",
+        "device": "cpu",
+        "numel": 512,
+    }
+    assert payload["parameter_count"] == 16 * 32 + 32 + 32 * 4 + 4
+
+
+def test_show_of_a_dcp_folder_prints_its_files_and_key_tree(tmp_path: Path, run_cli):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(
+            {"model": model.state_dict(), "step": 9}, checkpoint_id=tmp_path / "dcp", no_dist=True
+        )
+    result = run_cli("ckpt", "show", str(tmp_path / "dcp"), env={"NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert f"{tmp_path / 'dcp'}: dcp," in result.stdout
+    assert "1 data file (__0_0.distcp" in result.stdout
+    assert "index .metadata" in result.stdout
+    assert "weights under 'model'; other entries: step: object (not read)" in result.stdout
+    assert "weight  [3, 4]  float32  n/a  12" in result.stdout
+
+
+def test_convert_goes_from_dcp_to_a_sharded_folder_to_one_file(tmp_path: Path, run_cli):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    to_folder = run_cli(
+        "ckpt", "convert", str(tmp_path / "dcp"), str(tmp_path / "st"), "--max-shard-size", "64"
+    )
+    assert to_folder.returncode == 0, to_folder.stderr
+    assert (tmp_path / "st" / "model.safetensors.index.json").is_file()
+    to_file = run_cli("ckpt", "convert", str(tmp_path / "st"), str(tmp_path / "one.safetensors"))
+    assert to_file.returncode == 0, to_file.stderr
+    assert list(load_file(tmp_path / "one.safetensors")) == [
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+    ]
+    target = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    gk.load(target, tmp_path / "one.safetensors")
+    assert torch.equal(target[1].weight, model[1].weight)
+
+
+def test_show_says_when_the_suffix_does_not_match_the_content(tmp_path: Path, run_cli):
+    torch.save(nn.Linear(2, 2).state_dict(), tmp_path / "model.safetensors")
+    result = run_cli("ckpt", "show", str(tmp_path / "model.safetensors"), env={"NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "named .safetensors but holds a torch.save file" in result.stdout
+    payload = json.loads(
+        run_cli("ckpt", "show", str(tmp_path / "model.safetensors"), "--json").stdout
+    )
+    assert payload["format"] == "torch"
+    assert payload["suffix_mismatch"] == "named .safetensors but holds a torch.save file"
+
+
+def test_convert_into_a_folder_with_other_files_is_refused_and_leaves_it_alone(
+    tmp_path: Path, run_cli
+):
+    _dp_checkpoint(tmp_path / "a.pt")
+    (tmp_path / "existing_folder").mkdir()
+    (tmp_path / "existing_folder" / "notes.txt").write_text("mine")
+    error = _one_line_usage_error(
+        run_cli("ckpt", "convert", str(tmp_path / "a.pt"), str(tmp_path / "existing_folder"))
+    )
+    assert "notes.txt" in error
+    assert [p.name for p in (tmp_path / "existing_folder").iterdir()] == ["notes.txt"]
+
+
+def test_convert_onto_a_folder_named_like_a_file_is_refused(tmp_path: Path, run_cli):
+    _dp_checkpoint(tmp_path / "a.pt")
+    (tmp_path / "b.pt").mkdir()
+    error = _one_line_usage_error(
+        run_cli("ckpt", "convert", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    )
+    assert "a folder of that name exists" in error
+
+
+def test_convert_into_a_missing_folder_is_refused_before_the_input_is_read(tmp_path: Path, run_cli):
+    (tmp_path / "broken.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    error = _one_line_usage_error(
+        run_cli("ckpt", "convert", str(tmp_path / "broken.pt"), str(tmp_path / "no" / "x.pt"))
+    )
+    assert f"the folder {tmp_path / 'no'} does not exist" in error
+
+
+def test_show_of_a_fifo_is_refused_at_once_instead_of_hanging(tmp_path: Path, run_cli):
+    os.mkfifo(tmp_path / "pipe.pt")
+    error = _one_line_usage_error(run_cli("ckpt", "show", str(tmp_path / "pipe.pt"), timeout=60))
+    assert "FIFO" in error
+
+
+@contextlib.contextmanager
+def _as_unprivileged_user() -> Iterator[None]:
+    """Drop to an ordinary user's rights (root ignores file modes); nothing to do otherwise."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A folder an unprivileged user can reach (pytest's tmp_path is private to root)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpukit-ckpt-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        for path in folder.rglob("*"):
+            path.chmod(0o755)
+        shutil.rmtree(folder)
+
+
+def test_convert_into_a_read_only_folder_is_a_one_line_usage_error(shared_dir: Path, capsys):
+    from gpukit.cli.main import main
+
+    _dp_checkpoint(shared_dir / "a.pt")
+    (shared_dir / "a.pt").chmod(0o644)
+    (shared_dir / "ro").mkdir()
+    (shared_dir / "ro").chmod(0o555)
+    with _as_unprivileged_user():
+        code = main(["ckpt", "convert", str(shared_dir / "a.pt"), str(shared_dir / "ro" / "b.pt")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "is not writable by this user" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_show_of_an_unreadable_file_is_a_one_line_usage_error(shared_dir: Path, capsys):
+    from gpukit.cli.main import main
+
+    _dp_checkpoint(shared_dir / "secret.pt")
+    (shared_dir / "secret.pt").chmod(0o000)
+    with _as_unprivileged_user():
+        code = main(["ckpt", "show", str(shared_dir / "secret.pt")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "permission denied" in err
+    assert len(err.strip().splitlines()) == 1

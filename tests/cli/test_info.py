@@ -52,7 +52,7 @@ def test_info_shows_the_drivers_view_beside_torchs(run_cli: CliRunner, machines_
     result = run_cli("info", "--json", env={"GPUKIT_FAKE_NVML": str(machine)})
     assert result.returncode == 0, result.stderr
     nvml = json.loads(result.stdout)["nvml"]
-    assert nvml["schema"] == "gpukit.gpus.inventory/1"
+    assert nvml["schema"] == "gpukit.inventory/1"
     assert len(nvml["gpus"]) == 8
     assert "fake machine" in result.stderr
 

@@ -406,7 +406,7 @@ def test_run_refuses_a_poll_interval_variable_that_is_not_seconds_in_one_line(
     assert "GPUKIT_POLL_INTERVAL" in lines[0]
 
 
-def test_run_refuses_a_poll_interval_longer_than_a_day_in_one_line(
+def test_run_refuses_a_poll_interval_longer_than_a_year_in_one_line(
     run_cli: CliRunner, locks: Path
 ) -> None:
     # time.sleep(1e12) raises OverflowError: the wait would end in a traceback.

@@ -10,6 +10,13 @@ import workloads
 from gpukit import distributed as dist
 
 if __name__ == "__main__":
-    single = {"weights": workloads.train(), "eval_ids": workloads.evaluate_ids()}
+    single = {
+        "weights": workloads.train(),
+        "weights_with_an_empty_share": workloads.train(
+            workloads.SAMPLES_WITH_AN_EMPTY_SHARE, momentum=0.9
+        ),
+        "logged_losses": workloads.train_and_log(workloads.SAMPLES_WITH_AN_EMPTY_SHARE)[1],
+        "eval_ids": workloads.evaluate_ids(),
+    }
     ranks = dist.launch(workloads.session, int(sys.argv[1]) if len(sys.argv) > 1 else 2)
     print(json.dumps({"single": single, "ranks": ranks}))

@@ -13,40 +13,49 @@ from torch.utils.data import DataLoader, TensorDataset
 from gpukit import distributed as dist
 from gpukit.errors import DistributedError
 
-SAMPLES = 32
+SAMPLES = 101  # 12 global batches of 8 and one of 5, split 3 + 2 over 2 processes
+SAMPLES_WITH_AN_EMPTY_SHARE = 97  # the last global batch has 1 sample: rank 1 gets none
 GLOBAL_BATCH = 8
 EPOCHS = 2
-EVAL_SAMPLES = 11  # not divisible by 2 processes: the sampler repeats a sample
+EVAL_SAMPLES = 11  # not divisible by 2 processes: the last batch is split unevenly
 EVAL_BATCH = 3
 
 
-def _data() -> TensorDataset:
+def _data(samples: int) -> TensorDataset:
     gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(SAMPLES, 4, generator=gen)
-    noise = 0.1 * torch.randn(SAMPLES, 1, generator=gen)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + noise
+    x = torch.randn(samples, 4, generator=gen, dtype=torch.float64)
+    noise = 0.1 * torch.randn(samples, 1, generator=gen, dtype=torch.float64)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64) + noise
     return TensorDataset(x, y)
 
 
 def _model() -> nn.Module:
+    # float64, so that the only difference between 1 and N processes is the order of sums.
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
 
-def train() -> list[float]:
+def train(samples: int = SAMPLES, momentum: float = 0.0) -> list[float]:
     """Train with SGD on GLOBAL_BATCH samples per step, whatever the world size; final weights."""
+    return train_and_log(samples, momentum)[0]
+
+
+def train_and_log(samples: int = SAMPLES, momentum: float = 0.0) -> tuple[list[float], list[float]]:
+    """Final weights, and the global batch's mean loss of every step as the processes log it."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    loader = DataLoader(_data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    loader = DataLoader(_data(samples), batch_size=GLOBAL_BATCH, shuffle=True)
     model, opt, loader = dist.prepare(model, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7)
+    losses: list[float] = []
     for _ in range(EPOCHS):
         for x, y in loader:
             loss = nn.functional.mse_loss(model(x), y)
+            losses.append(dist.all_reduce_mean(loss.item(), weight=len(x)))
             opt.zero_grad()
             loss.backward()
             opt.step()
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return torch.cat([p.detach().flatten() for p in inner.parameters()]).tolist()
+    return torch.cat([p.detach().flatten() for p in inner.parameters()]).tolist(), losses
 
 
 def evaluate_ids() -> list[int]:
@@ -92,6 +101,8 @@ def session(_: Any = None) -> dict[str, Any]:
         "is_main": dist.is_main(),
         "mean_of_ranks": dist.all_reduce_mean(float(dist.rank())),
         "weights": train(),
+        "weights_with_an_empty_share": train(SAMPLES_WITH_AN_EMPTY_SHARE, momentum=0.9),
+        "logged_losses": train_and_log(SAMPLES_WITH_AN_EMPTY_SHARE)[1],
         "eval_ids": evaluate_ids(),
         "gathered_by_key": gather_dict_built_in_rank_order(),
         "mismatch": gather_dicts_with_different_keys(),

@@ -200,3 +200,15 @@ def test_a_bare_string_for_device_ids_is_refused_with_a_list_hint() -> None:
 
     with pytest.raises(DeviceError, match=r"device_ids must be a list"):
         gk.DataParallel(torch.nn.Linear(2, 2), device_ids="cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("module", ["not a module", None, lambda x: x, nn.Linear])
+def test_wrapping_something_that_is_not_a_module_is_a_typed_error(module: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="DataParallel wraps a module"):
+        gk.DataParallel(module, device_ids=["cpu"] * 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "value"), [("dim", "0"), ("dim", 0.5), ("min_chunk", True)])
+def test_dim_and_min_chunk_must_be_whole_numbers(name: str, value: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"{name}={value!r}"):
+        gk.DataParallel(nn.Linear(2, 2), device_ids=["cpu"] * 2, **{name: value})  # type: ignore[arg-type]

@@ -63,7 +63,7 @@ def run(quick: bool = False) -> list[BenchResult]:
         mock.patch.object(_batch_size, "_free_between_tries", return_value=None),
         mock.patch("accelerate.utils.memory.clear_device_cache", return_value=None),
     ):
-        logging.getLogger("gpukit.memory.report").setLevel(logging.WARNING)
+        logging.getLogger("gpukit.memory").setLevel(logging.WARNING)
         for limit in limits:
             ours, our_tries = _gpukit(limit)
             theirs, their_tries = _accelerate(limit)

@@ -3,12 +3,16 @@
 Every candidate writes to and reads from the same folder, round-robin (see ``compare``), so slow
 moments of the disk fall on all of them alike. gk.save pays for its atomicity (a temporary
 file, an fsync of the data and of the folder); bare torch.save does neither, so the ratio is
-the price of never losing a checkpoint.
+the price of never losing a checkpoint. A sharded safetensors folder is loaded against
+torch.load of the same weights as one .pt file, for time and for the growth of the process's
+peak memory (measured in a fresh process, from Linux's peak-RSS counter reset just before).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -39,6 +43,70 @@ def _durable_torch_save(state: dict[str, torch.Tensor], path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+_PEAK = """
+import sys, torch
+from torch import nn
+import gpukit as gk
+
+def hwm_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+gk.load(nn.Linear(1, 1), sys.argv[3])  # imports and first-use allocations, before measuring
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak RSS starts again from the current RSS
+before = hwm_kib()
+if sys.argv[1] == "gk":
+    gk.load(model, sys.argv[2])
+else:
+    model.load_state_dict(torch.load(sys.argv[2], weights_only=True, map_location="cpu"))
+print(hwm_kib() - before)
+"""
+
+
+def _peak_growth_mib(kind: str, path: Path, warm: Path) -> float:
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK, kind, str(path), str(warm)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=600,
+    )
+    return int(done.stdout.strip()) / 1024
+
+
+def _peak_memory(base: Path) -> list[BenchResult]:
+    """64 MiB of weights from 8 MiB shards vs one .pt: growth of peak RSS while loading."""
+    if not Path("/proc/self/clear_refs").exists():
+        return []  # the peak-RSS reset is Linux's
+    model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(16)))
+    folder, single, warm = base / "peak", base / "peak.pt", base / "warm.safetensors"
+    save(model, folder, max_shard_size="8MiB")
+    torch.save(model.state_dict(), single)
+    save(nn.Linear(1, 1), warm)
+    sharded = _peak_growth_mib("gk", folder, warm)
+    whole = _peak_growth_mib("torch", single, warm)
+    return [
+        BenchResult(
+            SUITE,
+            "gk.load sharded folder: peak RSS growth",
+            sharded,
+            "MiB",
+            "torch.load + load_state_dict .pt",
+            whole,
+            target="<= 32 MiB",
+            note="64 MiB of float32 weights in 8 shards of 8 MiB, into an allocated model",
+            extra={"bytes": _size(model), "shards": 8},
+        )
+    ]
+
+
 def run(quick: bool = False) -> list[BenchResult]:
     """Time save and load of a ~1 GiB state dict (~50 MiB in quick mode)."""
     model = _model(50 * 2**20 if quick else 2**30)
@@ -49,6 +117,8 @@ def run(quick: bool = False) -> list[BenchResult]:
     with tempfile.TemporaryDirectory(prefix="gpukit-bench-") as folder:
         base = Path(folder)
         pt, st, bare = base / "gk.pt", base / "gk.safetensors", base / "bare.pt"
+        sharded = base / "sharded"
+        shard_size = max(1 << 20, size // 8)  # 8 shards, as a Hugging Face model has a few
         saves = compare(
             {
                 "gk.save .pt": lambda: save(model, pt),
@@ -58,6 +128,7 @@ def run(quick: bool = False) -> list[BenchResult]:
             },
             repeat=repeat,
         )
+        save(model, sharded, max_shard_size=shard_size)
         loads = compare(
             {
                 "gk.load .pt": lambda: load(model, pt),
@@ -65,9 +136,11 @@ def run(quick: bool = False) -> list[BenchResult]:
                     torch.load(bare, weights_only=True, map_location="cpu")
                 ),
                 "gk.load .safetensors": lambda: load(model, st),
+                "gk.load sharded folder": lambda: load(model, sharded),
             },
             repeat=repeat,
         )
+        peak = _peak_memory(base)
     extra = {"bytes": size, "quick": quick}
     return [
         BenchResult(
@@ -121,4 +194,16 @@ def run(quick: bool = False) -> list[BenchResult]:
             note=note,
             extra=extra,
         ),
+        BenchResult(
+            SUITE,
+            "gk.load sharded safetensors folder",
+            loads["gk.load sharded folder"],
+            "s",
+            "torch.load + load_state_dict",
+            loads["torch.load + load_state_dict"],
+            target="<= 1.0x",
+            note=f"{note}, in 8 shards",
+            extra={**extra, "shard_bytes": shard_size},
+        ),
+        *peak,
     ]

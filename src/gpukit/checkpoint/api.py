@@ -10,7 +10,9 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,19 +23,29 @@ import torch
 from torch import nn
 
 from gpukit import __version__, _tree
-from gpukit.checkpoint.io import SAFETENSORS, atomic_write, read, suffix_format
+from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
+from gpukit.checkpoint.dcp import DcpFolder
+from gpukit.checkpoint.io import SAFETENSORS, suffix_format
 from gpukit.checkpoint.keys import (
     clean_keys,
     copy_metadata,
     find_state_dict,
     is_state_dict,
-    match_keys,
     unwrap,
 )
+from gpukit.checkpoint.layout import FolderCheckpoint, open_checkpoint
+from gpukit.checkpoint.paths import check_output_file, check_output_folder
+from gpukit.checkpoint.plan import plan_load, tied_groups
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
+from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, parse_size, write_shards
 from gpukit.devices import DeviceLike, device, module_device
-from gpukit.errors import CheckpointError, InvalidArgumentError, MixedDevicesError
+from gpukit.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    MixedDevicesError,
+    check_bool,
+)
 
 __all__ = ["LoadReport", "clean_state_dict", "load", "save"]
 
@@ -116,7 +128,7 @@ def _user_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         ) from None
 
 
-def _write_safetensors(path: Path, prepared: _Prepared, info: dict[str, Any]) -> None:
+def _tensors_only(path: Path, prepared: _Prepared) -> OrderedDict[str, torch.Tensor]:
     payload = prepared.payload
     others = [k for k, v in payload.items() if not isinstance(v, torch.Tensor)]
     if others:
@@ -124,25 +136,63 @@ def _write_safetensors(path: Path, prepared: _Prepared, info: dict[str, Any]) ->
         raise CheckpointError(
             f"Cannot save {path.name} as safetensors: the format holds only named tensors, and "
             f"this checkpoint also has {shown}.",
-            hint="Save it as .pt/.pth instead, or save only the model's weights to .safetensors.",
+            hint="Save it as .pt/.pth instead, or save only the model's weights to .safetensors "
+            "or a sharded folder.",
         )
-    header = {"format": "pt", "gpukit": json.dumps(info)}
-    atomic_write(path, lambda handle, _: write_safetensors(handle, payload, header))
+    return OrderedDict(payload)
 
 
-def save(obj: object, path: str | Path, *, metadata: Mapping[str, Any] | None = None) -> Path:
+def _untie(tensors: OrderedDict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    """Store tied weights once (safetensors cannot share); gk.load ties them back."""
+    tied = tied_groups(tensors)
+    for later in tied:
+        del tensors[later]
+    info["tied"] = tied
+
+
+def is_layout_file(name: str) -> bool:
+    """A file name that gk.save's folder layout writes (and may replace)."""
+    return name == SAFETENSORS_INDEX or _SHARD_NAME.match(name) is not None
+
+
+_SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+DEFAULT_SHARD_SIZE = "5GB"
+
+
+def save(
+    obj: object,
+    path: str | Path,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    max_shard_size: int | str | None = None,
+) -> Path:
     """Save a module, a state dict, or a dict of things, atomically; returns the path.
 
     Wrappers (``nn.DataParallel``, DDP, ``gk.DataParallel``, ``torch.compile``) are removed
     first, so keys never carry ``module.`` or ``_orig_mod.``; optimizers and schedulers in a dict
-    are saved as their state dicts. The format follows the suffix: ``.safetensors`` (weights
-    only) or ``.pt`` / ``.pth``. The gpukit and torch versions, the wrappers removed, the devices
-    the tensors were on and ``metadata`` (JSON-serialisable) are recorded with it.
+    are saved as their state dicts. The path picks the layout: ``.safetensors`` (weights only)
+    or ``.pt`` / ``.pth`` is one file; a path without a suffix, or any path with
+    ``max_shard_size`` (bytes, ``"2GB"``, ``"500MiB"``; 5GB by default), is a folder in Hugging
+    Face's sharded safetensors layout (``model-00001-of-00002.safetensors``... and
+    ``model.safetensors.index.json``), which Hugging Face's loaders read. A folder is written
+    as a whole: a crash leaves the old folder or the new one, and an existing folder is
+    replaced only if it holds nothing but such a layout. Tied weights are stored once in
+    safetensors and come back tied with :func:`load`. The gpukit and torch versions, the
+    wrappers removed, the devices the tensors were on and ``metadata`` (JSON-serialisable) are
+    recorded with it.
 
     >>> save({"model": model, "optimizer": opt, "epoch": 3}, "run/last.pt")  # doctest: +SKIP
+    >>> save(model, "run/weights", max_shard_size="2GB")  # doctest: +SKIP
     """
     target = Path(path)
-    fmt = suffix_format(target)
+    sharded = max_shard_size is not None or target.suffix == ""
+    if sharded:
+        limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
+        fmt = "sharded safetensors"
+        check_output_folder(target, is_layout_file)
+    else:
+        fmt = suffix_format(target)
+        check_output_file(target)
     prepared = _prepare(obj)
     info: dict[str, Any] = {
         "gpukit_version": __version__,
@@ -153,8 +203,16 @@ def save(obj: object, path: str | Path, *, metadata: Mapping[str, Any] | None = 
         "devices": sorted(_devices(prepared.payload, set())),
         "metadata": _user_metadata(metadata),
     }
-    if fmt == SAFETENSORS:
-        _write_safetensors(target, prepared, info)
+    if sharded or fmt == SAFETENSORS:
+        tensors = _tensors_only(target, prepared)
+        _untie(tensors, info)
+        header = {"format": "pt", "gpukit": json.dumps(info)}
+        if sharded:
+            atomic_folder(
+                target, lambda folder: write_shards(folder, tensors, header, limit, write_durable)
+            )
+        else:
+            atomic_write(target, lambda handle, _: write_safetensors(handle, tensors, header))
     else:
         payload = prepared.payload
         setattr(payload, METADATA_ATTRIBUTE, info)  # torch.save pickles an OrderedDict's attributes
@@ -188,13 +246,19 @@ def load(
 ) -> LoadReport:
     """Load a checkpoint into ``model``, whatever wrapped it and wherever it was saved.
 
-    Reads ``.safetensors`` and torch files, finds the weights in common containers
-    (``"state_dict"``, ``"model"``, ...), removes ``module.`` / ``_orig_mod.`` prefixes and a
-    leading ``model.`` when that is what makes the keys match, and maps tensors onto the
-    model's device (``map_location="auto"``). Pickled code is refused unless ``trust=True``.
-    With ``strict=True`` any missing, unexpected or mis-shaped key raises a
-    :class:`~gpukit.errors.CheckpointError` naming them and their nearest matches; otherwise the
-    keys that fit are loaded and the returned :class:`LoadReport` lists the rest.
+    ``path`` is a checkpoint file (``.safetensors`` or torch, recognised by content), a sharded
+    folder or its index file (Hugging Face's layout, safetensors or ``.bin`` shards), or a
+    torch.distributed.checkpoint (DCP) folder. The weights are found in common containers
+    (``"state_dict"``, ``"model"``, ...); wrapper segments (``module.``, ``_orig_mod.``,
+    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, ``_forward_module.``) and a
+    leading ``model.`` are removed when that is what makes the keys match, and tensors are
+    mapped onto the model's device (``map_location="auto"``). Folders are read one shard at a
+    time straight into the model's tensors, so the whole checkpoint is never in memory at once.
+    Pickled code is refused unless ``trust=True`` (a DCP folder needs no trust: its metadata is
+    read with an unpickler that runs no code). With ``strict=True`` any missing, unexpected or
+    mis-shaped key raises a :class:`~gpukit.errors.CheckpointError` naming them and their nearest
+    matches, before anything is loaded; otherwise the keys that fit are loaded and the returned
+    :class:`LoadReport` lists the rest. Weights the model ties together are loaded once.
 
     >>> report = load(model, "run/last.pt")       # doctest: +SKIP
     >>> optimizer.load_state_dict(report.extras["optimizer"])  # doctest: +SKIP
@@ -204,9 +268,11 @@ def load(
             f"gk.load loads into a model (an nn.Module), and was given a {type(model).__name__}.",
             hint="Call gk.load(model, path): the model comes first, the file second.",
         )
+    check_bool("strict", strict)
+    check_bool("trust", trust)
     inner, _ = unwrap(model)
     target = _target(inner, map_location)
-    raw = read(Path(path), target=target, trust=trust)
+    raw = open_checkpoint(Path(path), target=target, trust=trust)
     try:
         state, container = find_state_dict(raw.content)
     except LookupError as exc:
@@ -214,38 +280,44 @@ def load(
             f"{raw.path} holds no model weights: {exc}.",
             hint="Pass the file that holds the model's state_dict.",
         ) from None
-    cleaned, prefixes = clean_keys(state)
     model_state = inner.state_dict()
-    match = match_keys(list(cleaned), list(model_state))
-    renamed: OrderedDict[str, Any] = OrderedDict()
-    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for key, value in cleaned.items():
-        name = match.mapping.get(key)
-        if name is None:
-            continue
-        wanted = model_state[name]
-        mis_shaped = isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor)
-        if mis_shaped and value.shape != wanted.shape:
-            mismatched[name] = (tuple(value.shape), tuple(wanted.shape))
-            continue
-        renamed[name] = value
+    plan = plan_load(state, model_state, raw.metadata.get("tied"))
+    folder = isinstance(raw, FolderCheckpoint)
     report = LoadReport(
         path=raw.path,
         format=raw.format,
-        loaded=list(renamed),
-        missing=[k for k in match.missing if k not in mismatched],
-        unexpected=match.unexpected,
-        mismatched=mismatched,
-        prefixes_removed=prefixes + match.prefixes,
+        loaded=list(plan.renamed),
+        missing=plan.missing,
+        unexpected=plan.unexpected,
+        mismatched=plan.mismatched,
+        prefixes_removed=plan.prefixes,
         source_devices=raw.source_devices,
         device=str(target),
         container_key=container,
         metadata=raw.metadata,
-        extras=_extras(raw.content, container),
+        extras={} if folder else _extras(raw.content, container),
+        tied=plan.tied,
     )
     if strict and not report.ok:
         raise mismatch_error(report, type(inner).__name__)
+    if isinstance(raw, FolderCheckpoint):
+        if container is not None and isinstance(raw.source, DcpFolder):
+            # The rest of a DCP training state (optimizer, step...), as a file's extras are;
+            # read first, so that a refused pickle among them leaves the model untouched.
+            extras: dict[str, Any] = raw.source.read_all(trust=trust, skip=container)
+            if target.type != "cpu":
+                from gpukit.transfer import to_device
+
+                extras = to_device(extras, target)
+            report = dataclasses.replace(report, extras=extras)
+        targets: dict[str, list[torch.Tensor]] = {}
+        for name, shape_only in plan.renamed.items():
+            targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
+        raw.read_into(targets, trust=trust)
+        return report
     # torch's per-module versions, renamed like the keys (BatchNorm and others consult them).
-    copy_metadata(cleaned, renamed, [p for p in match.prefixes if not p.startswith(".")])
-    inner.load_state_dict(renamed, strict=strict)
+    copy_metadata(
+        plan.cleaned, plan.renamed, [p for p in plan.match_prefixes if not p.startswith(".")]
+    )
+    inner.load_state_dict(plan.renamed, strict=strict)
     return report

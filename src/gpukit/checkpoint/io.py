@@ -1,43 +1,37 @@
-"""Checkpoint files: atomic writes, format detection, and reading without raw tracebacks.
+"""Checkpoint files: format detection by content, and reading without raw tracebacks.
 
-A save goes to a temporary file next to the target, is flushed and fsynced, renamed over the
-target, and the folder is fsynced, so a crash at any moment leaves the old file or the new one.
-A process killed mid-save leaves its temporary file behind, named
-``.<target>.<pid>.<random>.gpukit-tmp``; the next save of the same target removes those whose
-process is gone.
+The format is read from the first bytes, never from the name: a torch.save file named
+``.safetensors`` loads as what it is. (Atomic writing lives in ``atomic``.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
-import os
 import pickle
 import re
-import secrets
+import stat
 import struct
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from gpukit.checkpoint.paths import check_input
 from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
 
 __all__ = [
-    "TMP_SUFFIX",
     "RawCheckpoint",
-    "atomic_write",
     "file_format",
     "gpukit_metadata",
     "read",
     "suffix_format",
+    "unreadable_error",
+    "untrusted_error",
 ]
 
-TMP_SUFFIX = ".gpukit-tmp"
 SAFETENSORS = "safetensors"
 TORCH = "torch"
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -51,10 +45,10 @@ def suffix_format(path: Path) -> str:
     if suffix in _TORCH_SUFFIXES:
         return TORCH
     raise InvalidArgumentError(
-        f"{path.name}: gpukit picks the checkpoint format from the suffix, and "
+        f"{path.name}: gpukit picks the checkpoint layout from the suffix, and "
         f"{suffix or 'no suffix'!r} is not one it knows.",
         hint="Name the file *.safetensors (weights only) or *.pt / *.pth (anything torch.save "
-        "can hold).",
+        "can hold), or give no suffix for a sharded folder.",
     )
 
 
@@ -90,119 +84,6 @@ def file_format(path: Path) -> str:
     except UnicodeDecodeError:
         return "unknown binary data"
     return "text"
-
-
-def _fsync_folder(folder: Path) -> None:
-    # Makes the rename itself durable; not possible (nor needed) on Windows.
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
-
-
-def _remove_stale(target: Path) -> None:
-    """Remove temporary files of earlier saves of ``target`` whose process has died."""
-    pattern = re.compile(rf"^\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]+{re.escape(TMP_SUFFIX)}$")
-    for entry in target.parent.iterdir():
-        match = pattern.match(entry.name)
-        if match and not _process_alive(int(match.group(1))):
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
-
-
-def _create_temp(target: Path) -> tuple[Path, int]:
-    while True:
-        name = f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-        tmp = target.parent / name
-        try:
-            # 0o666 minus the umask: the file gets the permissions torch.save would give it.
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            continue
-        return tmp, fd
-
-
-class _WriteBehind(io.RawIOBase):
-    """A file wrapper that starts the disk writing while the serializer is still producing.
-
-    Without it the whole checkpoint sits in the page cache until the final fsync, which then
-    waits for all of it; asking the kernel to start writeback every few dozen MiB overlaps the
-    disk with serialization, so the fsync that makes the save durable waits only for the tail.
-    """
-
-    _EVERY = 32 << 20
-
-    def __init__(self, handle: BinaryIO) -> None:
-        super().__init__()
-        self._handle = handle
-        self._fd = handle.fileno()
-        self._written = 0
-        self._started = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        n: int = self._handle.write(data)
-        self._written += n
-        if self._written - self._started >= self._EVERY:
-            self._handle.flush()
-            # POSIX_FADV_DONTNEED on dirty pages starts their writeback without waiting for it.
-            os.posix_fadvise(self._fd, self._started, self._written - self._started, _DONTNEED)
-            self._started = self._written
-        return n
-
-    def flush(self) -> None:
-        self._handle.flush()
-
-    def fileno(self) -> int:
-        return self._fd
-
-
-_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
-
-
-def atomic_write(target: Path, write: Callable[[BinaryIO, Path], None]) -> None:
-    """Run ``write`` on a temporary file next to ``target``, then put it in place atomically.
-
-    ``write`` gets the open file and its path (for writers that open the path themselves; the
-    fsync through the open handle covers what they wrote, as it is the same file).
-    """
-    folder = target.parent
-    if not folder.is_dir():
-        raise CheckpointError(
-            f"Cannot save {target}: the folder {folder} does not exist.",
-            hint="Create it first, for example with Path(...).mkdir(parents=True).",
-        )
-    _remove_stale(target)
-    tmp, fd = _create_temp(target)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            if hasattr(os, "posix_fadvise"):
-                write(_WriteBehind(handle), tmp)  # type: ignore[arg-type]
-            else:
-                write(handle, tmp)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_folder(folder)
 
 
 @dataclass
@@ -243,7 +124,8 @@ class _LocationRecorder:
         return restore(storage, str(self.target))  # type: ignore[no-untyped-call]
 
 
-def _untrusted(path: Path, exc: Exception) -> UntrustedCheckpointError:
+def untrusted_error(path: Path, exc: Exception) -> UntrustedCheckpointError:
+    """The error for a pickle that ``weights_only`` loading refused, naming what it needed."""
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
     what = f"a reference to {found.group(1)}" if found else "Python objects other than tensors"
     return UntrustedCheckpointError(
@@ -272,24 +154,27 @@ def _read_torch(
 ) -> tuple[Any, _LocationRecorder]:
     recorder = _LocationRecorder(target)
     try:
-        content = torch.load(path, map_location=recorder, weights_only=not trust)
+        # An open file, not the path: torch picks safetensors from a ".safetensors" name, and
+        # the bytes have already said this is a torch file.
+        with path.open("rb") as handle:
+            content = torch.load(handle, map_location=recorder, weights_only=not trust)
     except pickle.UnpicklingError as exc:
         if not trust and "Weights only load failed" in str(exc):
-            raise _untrusted(path, exc) from None
-        raise _unreadable(path, TORCH, exc) from None
+            raise untrusted_error(path, exc) from None
+        raise unreadable_error(path, TORCH, exc) from None
     except ImportError as exc:
         # A trusted pickle naming a module this Python lacks: the file is whole, the code is not.
         raise _missing_code(path, exc.name or str(exc)) from None
     except AttributeError as exc:
         found = _MISSING_CLASS.search(str(exc))
         if found is None:
-            raise _unreadable(path, TORCH, exc) from None
+            raise unreadable_error(path, TORCH, exc) from None
         name, module = found.group(1), found.group(2)
         # Classes of a script run as __main__ are looked up in whatever __main__ loads the file.
         where = "the script that saved it" if module.endswith("__main__") else module
         raise _missing_code(path, f"{name} (from {where})") from None
     except (RuntimeError, EOFError, ValueError, KeyError, OSError) as exc:
-        raise _unreadable(path, TORCH, exc) from None
+        raise unreadable_error(path, TORCH, exc) from None
     return content, recorder
 
 
@@ -303,11 +188,12 @@ def _read_safetensors(path: Path, target: torch.device | None) -> tuple[Any, dic
             metadata = handle.metadata() or {}
         tensors = load_file(str(path), device=device)
     except Exception as exc:  # safetensors raises its own (Rust) error types
-        raise _unreadable(path, SAFETENSORS, exc) from None
+        raise unreadable_error(path, SAFETENSORS, exc) from None
     return tensors, metadata
 
 
-def _unreadable(path: Path, fmt: str, exc: BaseException) -> CheckpointError:
+def unreadable_error(path: Path, fmt: str, exc: BaseException) -> CheckpointError:
+    """The error for a file of format ``fmt`` that cannot be read: cut short, or damaged."""
     size = path.stat().st_size
     reason = (str(exc).split(". ")[0].splitlines() or [type(exc).__name__])[0].rstrip(".")
     with path.open("rb") as handle:
@@ -345,12 +231,7 @@ def gpukit_metadata(content: Any, raw_meta: dict[str, str]) -> dict[str, Any]:
 
 def read(path: Path, *, target: torch.device | None, trust: bool) -> RawCheckpoint:
     """Read a checkpoint file of either format, mapping tensors to ``target`` (None: CPU)."""
-    if not path.exists():
-        raise CheckpointError(
-            f"No checkpoint at {path}: the file does not exist.",
-            hint="Check the path (relative paths start from the current folder).",
-        )
-    if path.is_dir():
+    if stat.S_ISDIR(check_input(path).st_mode):
         raise CheckpointError(
             f"{path} is a folder, not a checkpoint file.",
             hint="Pass the file inside it (*.pt, *.pth or *.safetensors).",

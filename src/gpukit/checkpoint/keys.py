@@ -1,10 +1,14 @@
 """Checkpoint keys: unwrap modules, find the state dict in a container, clean and match keys.
 
-Three sources put extra segments into state-dict keys: ``nn.DataParallel`` and
-``DistributedDataParallel`` (``module.``), ``torch.compile`` (``_orig_mod.``), and training
-frameworks that hold the network as an attribute (``model.`` in a Lightning checkpoint). The
-first two are never part of a real module's name, so they are removed wherever they are certain;
-the third is removed only when a model is given and removing it is what makes the keys match.
+Three kinds of source put extra segments into state-dict keys. ``nn.DataParallel`` and
+``DistributedDataParallel`` add ``module.``, which a real model may also use as a name, so it is
+removed only where that is certain. Wrappers that keep the real module under an attribute of
+their own add a segment no real module can have, anywhere in a key (around one block, too):
+``torch.compile`` (``_orig_mod.``), FSDP (``_fsdp_wrapped_module.``), activation checkpointing
+(``_checkpoint_wrapped_module.``) and Lightning Fabric (``_forward_module.``); these are removed
+wherever they are. Training frameworks that hold the network as an attribute (``model.`` in a
+Lightning checkpoint) add a third kind, removed only when a model is given and removing it is
+what makes the keys match.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 __all__ = [
     "CONTAINER_KEYS",
+    "WRAPPER_SEGMENTS",
     "KeyMatch",
     "clean_keys",
     "copy_metadata",
@@ -31,7 +36,14 @@ __all__ = [
 ]
 
 _DP_PREFIX = "module."
-_COMPILE_PREFIX = "_orig_mod."
+# Attributes that wrapper classes own: no real module can be registered under these names, so a
+# segment with one of them is a wrapper's wherever it appears in a key.
+WRAPPER_SEGMENTS = (
+    "_orig_mod",  # torch.compile's OptimizedModule
+    "_fsdp_wrapped_module",  # FullyShardedDataParallel (FSDP1)
+    "_checkpoint_wrapped_module",  # torch.distributed activation checkpointing's CheckpointWrapper
+    "_forward_module",  # Lightning Fabric's _FabricModule
+)
 
 # Where checkpoints written by common training code keep the model's weights, most specific first.
 CONTAINER_KEYS = (
@@ -129,19 +141,13 @@ def find_state_dict(obj: object) -> tuple[Mapping[str, Any], str | None]:
     raise LookupError(f"no state dict among its entries ({shown})")
 
 
-def _drop_compile(key: str) -> str:
-    # torch.compile on a submodule leaves "encoder._orig_mod.weight". No real module can be
-    # called "_orig_mod" (OptimizedModule owns that attribute), so it goes wherever it is.
-    while key.startswith(_COMPILE_PREFIX):
-        key = key[len(_COMPILE_PREFIX) :]
-    while ("." + _COMPILE_PREFIX) in key:
-        key = key.replace("." + _COMPILE_PREFIX, ".")
-    return key
+def _drop_wrappers(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 def _clean_key(key: str, prefixes: list[str]) -> str:
     """Replay on one key the cleaning that :func:`clean_keys` decided for all of them."""
-    key = _drop_compile(key)
+    key = _drop_wrappers(key)
     for prefix in prefixes:
         key = key.removeprefix(prefix)
     return key
@@ -149,21 +155,22 @@ def _clean_key(key: str, prefixes: list[str]) -> str:
 
 def _clean_names(keys: list[str]) -> tuple[list[str], list[str]]:
     """Cleaned keys (same order) and the prefixes removed; see :func:`clean_keys`."""
-    current = [_drop_compile(key) for key in keys]
-    removed: list[str] = []
+    current = [_drop_wrappers(key) for key in keys]
+    found = {part for key in keys for part in key.split(".") if part in WRAPPER_SEGMENTS}
+    removed = [f"{segment}." for segment in WRAPPER_SEGMENTS if segment in found]
     while current and all(key.startswith(_DP_PREFIX) for key in current):
         removed.append(_DP_PREFIX)
         current = [key[len(_DP_PREFIX) :] for key in current]
-    if any(_COMPILE_PREFIX[:-1] in key.split(".") for key in keys):
-        removed.insert(0, _COMPILE_PREFIX)
     return current, removed
 
 
 def clean_keys(state_dict: Mapping[str, Any]) -> tuple[OrderedDict[str, Any], list[str]]:
-    """``state_dict`` without wrapper prefixes, and the prefixes removed (in order).
+    """``state_dict`` without wrapper prefixes, and the prefixes removed.
 
-    A leading ``module.`` or ``_orig_mod.`` is removed, as often as it is stacked, only when
-    every key has it: a model may have a real submodule called ``module``.
+    Wrapper-owned segments (``_orig_mod.``, ``_fsdp_wrapped_module.``,
+    ``_checkpoint_wrapped_module.``, ``_forward_module.``) go wherever they are; a leading
+    ``module.`` is removed, as often as it is stacked, only when every key has it: a model may
+    have a real submodule called ``module``.
     """
     keys, removed = _clean_names(list(state_dict))
     cleaned: OrderedDict[str, Any] = OrderedDict(zip(keys, state_dict.values(), strict=True))

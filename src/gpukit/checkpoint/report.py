@@ -21,10 +21,13 @@ class LoadReport:
     ``loaded`` holds the model's names that received a tensor; ``missing`` the model's names the
     file lacks; ``unexpected`` the file's names (after cleaning) the model lacks; ``mismatched``
     maps a name to ``(shape in file, shape in model)``. ``prefixes_removed`` lists what was
-    stripped from the file's keys (``"module."``, ``"_orig_mod."``, ``"model."``; ``".module."``
-    for wrapped submodules). ``source_devices`` are the devices the tensors were saved from;
+    stripped from the file's keys (``"module."``, ``"_orig_mod."``, ``"_fsdp_wrapped_module."``,
+    ``"_checkpoint_wrapped_module."``, ``"_forward_module."``, ``"model."``; ``".module."`` for
+    wrapped submodules). ``source_devices`` are the devices the tensors were saved from;
     ``device`` is where they were loaded. ``extras`` holds the other entries of a container
-    checkpoint (optimizer state, epoch, ...), on ``device`` as well.
+    checkpoint (optimizer state, epoch, ...), on ``device`` as well (from a DCP folder too; a
+    sharded folder holds only weights). ``tied`` maps a model key that was filled
+    from another (tied weights, stored once) to that key.
     """
 
     path: Path
@@ -39,6 +42,7 @@ class LoadReport:
     container_key: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

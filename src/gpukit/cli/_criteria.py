@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gpukit.cli._args import Number, Percent, Size
 from gpukit.errors import InvalidArgumentError
 from gpukit.gpus.select import ORDERS, Criteria
 
@@ -11,14 +12,21 @@ from gpukit.gpus.select import ORDERS, Criteria
 def add_criteria(parser: argparse.ArgumentParser) -> None:
     """The options shared by ``gpukit pick`` and ``gpukit run``: how many GPUs, and which."""
     group = parser.add_argument_group("which GPUs")
-    group.add_argument("-n", "--gpus", type=int, default=1, metavar="N", help="how many (1)")
     group.add_argument(
-        "--min-free", metavar="SIZE", help='at least this much free memory, e.g. "20GiB", "500MB"'
+        "-n", "--gpus", type=Number(1, 100_000), default=1, metavar="N", help="how many (1)"
     )
-    group.add_argument("--max-util", type=float, metavar="PCT", help="at most this utilisation")
+    group.add_argument(
+        "--min-free",
+        type=Size(),
+        metavar="SIZE",
+        help='at least this much free memory, e.g. "20GiB", "500MB"',
+    )
+    group.add_argument(
+        "--max-util", type=Percent(), metavar="PCT", help="at most this utilisation (0-100)"
+    )
     group.add_argument(
         "--max-processes",
-        type=int,
+        type=Number(0, 1_000_000),
         metavar="N",
         help="at most N processes already on it (default 0, or any with --min-free)",
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpukit.cli._output import human_bytes, na
@@ -10,6 +10,7 @@ from gpukit.cli._output import human_bytes, na
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from gpukit.gpus.hosts import HostReading
     from gpukit.gpus.inventory import GPU, GpuProcess, Inventory
     from gpukit.gpus.visible import VisibleDevices
 
@@ -154,4 +155,42 @@ def build_table(
         table.add_row(
             *(Text(cell, no_wrap=True, overflow="ellipsis") for cell in cells), style=style
         )
+    return table
+
+
+def build_hosts_table(readings: Sequence[HostReading]) -> Table:
+    """One table of several machines' GPUs, a section per host; a failed host shows why."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from gpukit.gpus.visible import resolve
+
+    headers = ["host", "GPU", "name", "memory", "util", "temp", "power", "claimed by"]
+    headers.append("user:pid command (memory)")
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for header in headers:
+        cut = header in _CUT or header == "host"
+        table.add_column(
+            Text(header, no_wrap=True, overflow="ellipsis"),
+            justify="right" if header in {"GPU", "util", "temp", "power"} else "left",
+            no_wrap=not cut,
+            overflow="ellipsis" if cut else "fold",
+        )
+    for i, reading in enumerate(readings):
+        if i:
+            table.add_section()
+        if reading.inventory is None:
+            # The reason goes last, where a long line may run on without widening the GPU columns.
+            blank = ["" for _ in headers[3:-1]]
+            cells = [reading.host, "-", "no GPUs read", *blank, reading.error or "no answer"]
+            table.add_row(*(Text(c, no_wrap=True) for c in cells), style="red")
+            continue
+        # CUDA's numbering there is unknown from here: show nvidia-smi's, as the host would.
+        view = resolve(None, "PCI_BUS_ID", reading.inventory)
+        claims = {uuid: holder.describe() for uuid, holder in reading.claims.items()}
+        for j, (cells, style) in enumerate(_rows(reading.inventory, view, claims)):
+            host = reading.host if j == 0 else ""
+            table.add_row(
+                *(Text(c, no_wrap=True, overflow="ellipsis") for c in [host, *cells]), style=style
+            )
     return table

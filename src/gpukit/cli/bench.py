@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpukit.cli._args import OutputFile
 from gpukit.cli._output import console
 from gpukit.errors import InvalidArgumentError
 
@@ -25,6 +27,7 @@ SUITES: dict[str, str] = {
     "startup": "gpukit.bench.startup",
     "batch_size": "gpukit.bench.batch_size",
     "h2d": "gpukit.bench.h2d",
+    "serve": "gpukit.bench.serve",
 }
 
 
@@ -37,8 +40,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"run only this suite (repeatable): {', '.join(SUITES)}",
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds a suite")
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
+    parser.add_argument(
+        "--json", type=OutputFile(), metavar="FILE", help="also write the results as JSON to FILE"
+    )
+    parser.add_argument(
+        "--plot", type=OutputFile(), metavar="FILE.png", help="draw the ratios (needs matplotlib)"
+    )
 
 
 def print_results(results: Sequence[BenchResult]) -> None:
@@ -72,6 +79,13 @@ def print_results(results: Sequence[BenchResult]) -> None:
         out.print(f"[{i}] {note}")
 
 
+def _no_matplotlib() -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "--plot needs matplotlib, which is not installed.",
+        hint="pip install 'gpukit[bench]', or leave out --plot.",
+    )
+
+
 def _plot(results: Sequence[BenchResult], path: str) -> None:
     try:
         import matplotlib
@@ -79,10 +93,7 @@ def _plot(results: Sequence[BenchResult], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise InvalidArgumentError(
-            "--plot needs matplotlib, which is not installed.",
-            hint="pip install 'gpukit[bench]', or leave out --plot.",
-        ) from exc
+        raise _no_matplotlib() from exc
     rows = [r for r in results if r.ratio is not None]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     labels = [f"{r.suite}: {r.name}\nvs {r.baseline_name}" for r in rows]
@@ -93,6 +104,13 @@ def _plot(results: Sequence[BenchResult], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _write_new_or_own(path: str, text: str) -> None:
+    # O_NOFOLLOW: a link planted at the path since the arguments were checked is not followed.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"unknown suite {', '.join(unknown)}.", hint=f"Choose from {', '.join(SUITES)}."
         )
+    # Found now, not after the whole run: the results would be lost.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise _no_matplotlib()
     results: list[BenchResult] = []
     skipped: list[str] = []
     err = console(stderr=True)
@@ -144,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             "results": [r.to_json() for r in results],
             "skipped": skipped,
         }
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        _write_new_or_own(args.json, json.dumps(payload, indent=2) + "\n")
     if args.plot:
         _plot(results, args.plot)
     return 0

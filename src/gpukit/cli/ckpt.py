@@ -1,9 +1,14 @@
-"""``gpukit ckpt show|convert``: inspect a checkpoint, or rewrite it clean, on the CPU, in a format.
+"""``gpukit ckpt show|convert``: inspect a checkpoint, or rewrite it clean, on the CPU, in a layout.
 
-``show`` prints the format, size, what gk.save recorded, the wrapper prefixes the keys carry, and
-a tree of the tensors with shapes, dtypes, saved devices and parameter counts. ``convert``
-removes wrapper prefixes, moves every tensor to the CPU and writes ``.pt`` or ``.safetensors``
-(atomically) from the output's suffix.
+Both take a checkpoint file (recognised by content, whatever its suffix), a sharded folder (or its
+index file) or a DCP folder. ``show`` prints the format, size, shards, what gk.save recorded, the
+wrapper prefixes the keys carry, and a tree of the tensors with shapes, dtypes, saved devices and
+parameter counts; a folder's tensors are described from its headers without being read.
+``convert`` removes wrapper prefixes, moves every tensor to the CPU and writes, atomically, what
+the output path asks for: ``.pt`` / ``.pth``, ``.safetensors``, or a sharded safetensors folder
+for a path without a suffix (or with ``--max-shard-size``). Safetensors holds only tensors: from
+a training checkpoint it gets the model's weights, and the command says what was left out.
+Paths are checked before any work starts.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ if TYPE_CHECKING:
     from rich.tree import Tree
 
     from gpukit.checkpoint.io import RawCheckpoint
+    from gpukit.checkpoint.layout import FolderCheckpoint
 
 SCHEMA = "gpukit.ckpt.show/1"
 _WRAPPER_OF = {
     "module.": "nn.DataParallel or DistributedDataParallel",
     "_orig_mod.": "torch.compile",
+    "_fsdp_wrapped_module.": "FullyShardedDataParallel",
+    "_checkpoint_wrapped_module.": "activation checkpointing",
+    "_forward_module.": "Lightning Fabric",
 }
 _TRUST_HELP = "allow a pickle that runs code (only for files you made or trust)"
 
@@ -33,33 +42,46 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``show`` and ``convert`` subcommands."""
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     show = sub.add_parser("show", help="format, metadata, wrappers and a tree of the tensors")
-    show.add_argument("file", type=Path, help="a .pt/.pth/.ckpt/.bin or .safetensors file")
+    show.add_argument(
+        "file", type=Path, help="a checkpoint file, a sharded folder or its index, a DCP folder"
+    )
     show.add_argument("--json", action="store_true", help="print JSON (with a schema field)")
     show.add_argument("--trust", action="store_true", help=_TRUST_HELP)
     convert = sub.add_parser(
-        "convert", help="clean the keys, move tensors to the CPU, change format by suffix"
+        "convert", help="clean the keys, move tensors to the CPU, change layout by the output path"
     )
-    convert.add_argument("input", type=Path, help="the checkpoint to read")
+    convert.add_argument("input", type=Path, help="the checkpoint to read (file or folder)")
     convert.add_argument(
-        "output", type=Path, help="where to write it: *.pt, *.pth or *.safetensors"
+        "output",
+        type=Path,
+        help="*.pt / *.pth (anything), *.safetensors (weights), or a folder name without a "
+        "suffix (sharded safetensors)",
     )
     convert.add_argument(
         "--weights-only",
         action="store_true",
-        help="keep only the model's weights (drop optimizer state, epoch, ...)",
+        help="keep only the model's weights (drop optimizer state, epoch, ...); implied for "
+        "safetensors and folders",
+    )
+    convert.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="write a sharded folder with shards of at most SIZE (e.g. 2GB, 500MiB; default 5GB)",
     )
     convert.add_argument("--trust", action="store_true", help=_TRUST_HELP)
 
 
-def _read(path: Path, trust: bool) -> RawCheckpoint:
+def _read(path: Path, trust: bool) -> RawCheckpoint | FolderCheckpoint:
     import torch
 
-    from gpukit.checkpoint.io import read
+    from gpukit.checkpoint.layout import open_checkpoint
 
-    return read(path, target=torch.device("cpu"), trust=trust)
+    return open_checkpoint(path, target=torch.device("cpu"), trust=trust)
 
 
-def _tensor_rows(raw: RawCheckpoint, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _tensor_rows(
+    raw: RawCheckpoint | FolderCheckpoint, state: Mapping[str, Any]
+) -> list[dict[str, Any]]:
     import torch
 
     rows = []
@@ -81,17 +103,41 @@ def _tensor_rows(raw: RawCheckpoint, state: Mapping[str, Any]) -> list[dict[str,
 def _describe(value: object) -> str:
     import torch
 
+    from gpukit.checkpoint.layout import StoredObject
+
     if isinstance(value, torch.Tensor):
         return f"tensor {list(value.shape)}"
     if isinstance(value, (int, float, str, bool)) or value is None:
         return repr(value)[:60]
     if isinstance(value, Mapping):
         return f"dict of {len(value)}"
+    if isinstance(value, StoredObject):
+        return repr(value)
     return type(value).__name__
 
 
-def _payload(raw: RawCheckpoint) -> dict[str, Any]:
+def _suffix_note(raw: RawCheckpoint | FolderCheckpoint) -> str | None:
+    from gpukit.checkpoint.io import SAFETENSORS, TORCH
+    from gpukit.checkpoint.layout import FolderCheckpoint
+
+    if isinstance(raw, FolderCheckpoint):
+        return None
+    suffix = raw.path.suffix.lower()
+    named = (
+        SAFETENSORS if suffix == ".safetensors" else TORCH if suffix in _TORCH_SUFFIXES else None
+    )
+    if named is None or named == raw.format:
+        return None
+    what = "a torch.save file" if raw.format == TORCH else "a safetensors file"
+    return f"named {suffix} but holds {what}"
+
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def _payload(raw: RawCheckpoint | FolderCheckpoint) -> dict[str, Any]:
     from gpukit.checkpoint.keys import clean_keys, find_state_dict
+    from gpukit.checkpoint.layout import FolderCheckpoint
 
     found = True
     try:
@@ -116,6 +162,16 @@ def _payload(raw: RawCheckpoint) -> dict[str, Any]:
         "wrappers": [_WRAPPER_OF[p] for p in prefixes if p in _WRAPPER_OF],
         "wrappers_removed_at_save": raw.metadata.get("wrappers_removed", []),
         "source_devices": raw.source_devices,
+        "layout": ("dcp" if raw.format == "dcp" else "sharded")
+        if isinstance(raw, FolderCheckpoint)
+        else "file",
+        "files": [
+            {"name": name, "size_bytes": size}
+            for name, size in (raw.files.items() if isinstance(raw, FolderCheckpoint) else ())
+        ],
+        "shard_count": len(raw.files) - 1 if isinstance(raw, FolderCheckpoint) else None,
+        "index_file": raw.index if isinstance(raw, FolderCheckpoint) else None,
+        "suffix_mismatch": _suffix_note(raw),
         "weights_found": found,
         "tensor_count": len(rows),
         "parameter_count": sum(row["numel"] for row in rows),
@@ -156,6 +212,9 @@ def _tree(payload: dict[str, Any]) -> Tree:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from gpukit.checkpoint.paths import check_input
+
+    check_input(args.file)  # a FIFO or an unreadable file, refused before torch is imported
     raw = _read(args.file, args.trust)
     payload = _payload(raw)
     if args.json:
@@ -167,6 +226,14 @@ def _show(args: argparse.Namespace) -> int:
         f"{payload['path']}: {payload['format']}, {human_bytes(payload['size_bytes'])}, "
         f"{payload['tensor_count']} tensors, {payload['parameter_count']:,} params"
     )
+    if payload["suffix_mismatch"]:
+        out.print(f"note: {payload['suffix_mismatch']} (gpukit reads it by its content)")
+    if payload["files"]:
+        data = [f for f in payload["files"] if f["name"] != payload["index_file"]]
+        files = ", ".join(f"{f['name']} {human_bytes(f['size_bytes'])}" for f in data)
+        kind = "data file" if payload["layout"] == "dcp" else "shard"
+        plural = "s" if len(data) != 1 else ""
+        out.print(f"{len(data)} {kind}{plural} ({files}); index {payload['index_file']}")
     saved = ", ".join(payload["source_devices"]) or "n/a"
     if meta:
         removed = ", ".join(meta.get("wrappers_removed", [])) or "none"
@@ -192,37 +259,70 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_paths(args: argparse.Namespace) -> int | None:
+    """Refuse path mistakes before reading anything; the shard size limit for a folder output."""
+    from gpukit.checkpoint.paths import check_input, check_output_file, check_output_folder
+
+    check_input(args.input)
+    folder = args.max_shard_size is not None or args.output.suffix == ""
+    if folder:
+        check_output_folder(args.output, _is_layout_file)
+    else:
+        check_output_file(args.output)
+    from gpukit.checkpoint.io import suffix_format
+    from gpukit.checkpoint.sharded import parse_size
+
+    if folder:
+        return parse_size("5GB" if args.max_shard_size is None else args.max_shard_size)
+    suffix_format(args.output)
+    return None
+
+
+def _is_layout_file(name: str) -> bool:
+    from gpukit.checkpoint.api import is_layout_file
+
+    return is_layout_file(name)
+
+
 def _convert(args: argparse.Namespace) -> int:
     from gpukit.checkpoint.api import save
     from gpukit.checkpoint.io import SAFETENSORS, suffix_format
     from gpukit.checkpoint.keys import find_state_dict
+    from gpukit.checkpoint.layout import FolderCheckpoint
 
-    fmt = suffix_format(args.output)
+    limit = _check_paths(args)
     raw = _read(args.input, args.trust)
-    obj: object = raw.content
-    if args.weights_only or fmt == SAFETENSORS:
+    content = raw.read_all(trust=args.trust) if isinstance(raw, FolderCheckpoint) else raw.content
+    weights_only = (
+        args.weights_only or limit is not None or suffix_format(args.output) == SAFETENSORS
+    )
+    obj: object = content
+    left_out: list[str] = []
+    if weights_only:
         try:
-            state, container = find_state_dict(raw.content)
+            state, container = find_state_dict(content)
         except LookupError as exc:
             raise CheckpointError(
                 f"{args.input} holds no model weights to convert: {exc}.",
                 hint="Convert it to .pt, which keeps anything torch.save wrote.",
             ) from None
-        others = [k for k in raw.content if k != container] if container is not None else []
-        if others and not args.weights_only:
-            shown = ", ".join(repr(k) for k in others[:6])
-            raise CheckpointError(
-                f"{args.input} holds {shown} besides the weights under {container!r}, and "
-                f"{args.output.name} (safetensors) can hold only tensors.",
-                hint="Pass --weights-only to keep just the weights, or convert to .pt to keep "
-                "everything.",
-            )
+        if container is not None and isinstance(content, Mapping):
+            left_out = [str(k) for k in content if k != container]
         obj = state
     source = {"converted_from": args.input.name, "source_devices": raw.source_devices}
     prefixes = _prefixes(obj)
-    save(obj, args.output, metadata=source)
+    save(obj, args.output, metadata=source, max_shard_size=limit)
+    layout = "sharded safetensors folder" if limit is not None else suffix_format(args.output)
     removed = f"; removed {', '.join(prefixes)}" if prefixes else ""
-    console().print(f"wrote {args.output} ({fmt}{removed}; tensors on cpu)")
+    out = console()
+    out.print(f"wrote {args.output} ({layout}{removed}; tensors on cpu)")
+    if left_out:
+        shown = ", ".join(left_out)
+        why = "" if args.weights_only else " (safetensors holds only tensors)"
+        out.print(
+            f"left out {shown}: kept only the weights under {container!r}{why}; convert to "
+            ".pt to keep everything"
+        )
     return 0
 
 

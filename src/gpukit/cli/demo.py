@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpukit.cli._args import Number, OutputFile
 from gpukit.cli._output import console, print_json
 from gpukit.errors import InvalidArgumentError
 
@@ -21,12 +23,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="comma-separated devices to replicate over, e.g. cpu,cpu,cpu,cpu or cuda:0,cuda:1 "
         "(default: every GPU, else 4 CPU replicas)",
     )
-    where.add_argument("--replicas", type=int, metavar="N", help="N replicas on the CPU")
-    parser.add_argument("--epochs", type=int, default=8, help="passes over the data (default 8)")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples a step (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same result")
+    where.add_argument(
+        "--replicas", type=Number(1, 1024), metavar="N", help="N replicas on the CPU"
+    )
     parser.add_argument(
-        "--save", metavar="FILE", help="keep the checkpoint here (.safetensors/.pt)"
+        "--epochs", type=Number(1, 100_000), default=8, help="passes over the data (default 8)"
+    )
+    parser.add_argument(
+        "--batch-size", type=Number(1, 10**7), default=64, help="samples a step (default 64)"
+    )
+    parser.add_argument(
+        "--seed", type=Number(0, 2**32 - 1), default=0, help="the same seed gives the same result"
+    )
+    parser.add_argument(
+        "--save",
+        type=OutputFile(),
+        metavar="FILE",
+        help="keep the checkpoint here (.safetensors/.pt)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON summary for programs")
 
@@ -39,9 +52,15 @@ def _devices(args: argparse.Namespace) -> tuple[str, ...] | None:
             )
         replicas: int = args.replicas
         return ("cpu",) * replicas
-    if args.devices:
+    if args.devices is not None:
         listed: str = args.devices
-        return tuple(d.strip() for d in listed.split(",") if d.strip())
+        devices = tuple(d.strip() for d in listed.split(",") if d.strip())
+        if not devices:  # "" or ",": not a request for the default devices
+            raise InvalidArgumentError(
+                f"--devices {listed!r} names no device.",
+                hint="List devices with commas, e.g. --devices cpu,cpu, or leave it out.",
+            )
+        return devices
     return None
 
 
@@ -113,8 +132,11 @@ class _Renderer:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; print its story, or a JSON summary with ``--json``."""
+    from gpukit.checkpoint.io import suffix_format
     from gpukit.demo import DemoConfig, run_demo
 
+    if args.save:  # before training, not after it
+        suffix_format(Path(args.save))
     config = DemoConfig(
         devices=_devices(args),
         epochs=args.epochs,

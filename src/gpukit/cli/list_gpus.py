@@ -10,14 +10,16 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from gpukit.cli._args import Seconds
 from gpukit.cli._gpu_table import build_table
 from gpukit.cli._lock_folder import LockFolderState, read_lock_folder
 from gpukit.cli._output import na, print_json
 from gpukit.errors import ExitCode
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.visible import VisibleDevices, visible_devices
+from gpukit.gpus.visible import Grant, VisibleDevices, granted_gpus, visible_devices
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -29,11 +31,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--watch",
         nargs="?",
-        type=float,
+        type=Seconds(positive=True),
         const=2.0,
         default=None,
         metavar="SECONDS",
         help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one document a line",
+    )
+    remote = parser.add_argument_group("other machines (over ssh, nothing to install there)")
+    remote.add_argument(
+        "--hosts",
+        metavar="A,B,C",
+        help="list the GPUs of these hosts instead: gpukit list --json there, else nvidia-smi",
+    )
+    remote.add_argument(
+        "--timeout",
+        type=Seconds(positive=True),
+        default=None,
+        metavar="SECONDS",
+        help="give up on a host after SECONDS (default 10)",
+    )
+    remote.add_argument(
+        "--ssh-command",
+        metavar="CMD",
+        help="how to reach a host (default: $GPUKIT_SSH, else ssh -o BatchMode=yes "
+        "-o ConnectTimeout=TIMEOUT); the host and the command are appended",
     )
 
 
@@ -41,12 +62,25 @@ def _payload(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> di
     claims = None
     if locks.claims is not None:
         claims = {uuid: holder.to_json() for uuid, holder in locks.claims.items()}
+    grant, _ = _grant(inv)
+    granted = None if grant is None else {**asdict(grant), "indices": list(grant.indices)}
     return {
         **inv.to_json(),
         "visible": view.to_json(),
         "claims": claims,
+        "granted": granted,
         "lock_dir": locks.to_json(),
     }
+
+
+def _grant(inv: Inventory) -> tuple[Grant | None, str | None]:
+    """The GPUs granted to this process or job, or why they cannot be told."""
+    from gpukit.errors import GpukitError
+
+    try:
+        return granted_gpus(inv), None
+    except GpukitError as exc:
+        return None, exc.message
 
 
 def _render(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> RenderableType:
@@ -61,10 +95,18 @@ def _render(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> Ren
     )
     if view.restricted:
         head.append(f" · CUDA_VISIBLE_DEVICES={view.env}")
+    grant, why = _grant(inv)
+    if grant is not None:
+        # Inside a Slurm job (or with CUDA_VISIBLE_DEVICES), say which GPUs are this job's:
+        # pick and run choose only among them.
+        mine = ",".join(map(str, grant.indices)) or "none"
+        head.append(f" · this job's GPUs: {mine} ({grant.describe()})", style="bold")
     held = locks.claims
     claims = {uuid: holder.describe() for uuid, holder in held.items()} if held else None
     parts: list[RenderableType] = [head, build_table(inv, view, claims=claims)]
     parts.extend(Text(f"note: {w}", style="yellow") for w in view.warnings)
+    if why is not None:
+        parts.append(Text(f"note: {why}", style="yellow"))
     parts.extend(Text(text, style=style) for text, style in locks.notes())
     return Group(*parts)
 
@@ -82,21 +124,11 @@ def _read() -> tuple[Inventory, VisibleDevices, LockFolderState]:
     return inv, visible_devices(inv), read_lock_folder()
 
 
-_MOST_WATCH_S = 86400
-
-
 def _watch(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from gpukit.cli._output import console
 
-    if not 0 < args.watch <= _MOST_WATCH_S:  # also refuses nan; sleep(1e12) would overflow
-        from gpukit.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(
-            f"--watch {args.watch:g} is not a number of seconds.",
-            hint=f"Use a positive number up to {_MOST_WATCH_S} (a day), e.g. --watch 2.",
-        )
     out = console()
     interval = max(float(args.watch), 0.05)
     try:
@@ -120,8 +152,42 @@ def _watch(args: argparse.Namespace) -> int:
         return 0
 
 
+def _hosts(args: argparse.Namespace) -> int:
+    """``--hosts``: every host's GPUs in one table (or gpukit.hosts/1 JSON)."""
+    from gpukit.errors import ExitCode, InvalidArgumentError
+    from gpukit.gpus.hosts import hosts_json, parse_hosts, read_hosts
+
+    if args.watch is not None:
+        raise InvalidArgumentError(
+            "--watch does not combine with --hosts.",
+            hint="Run gpukit list --watch on each host, or gpukit serve there.",
+        )
+    timeout = 10.0 if args.timeout is None else args.timeout
+    readings = read_hosts(
+        parse_hosts(args.hosts), timeout=timeout, ssh_command_text=args.ssh_command
+    )
+    if args.json:
+        print_json(hosts_json(readings))
+    else:
+        from gpukit.cli._gpu_table import build_hosts_table
+        from gpukit.cli._output import console
+
+        _print(console(), build_hosts_table(readings))
+    # Some machines answering is a useful answer; none at all is "no GPU could be read".
+    return ExitCode.OK if any(r.inventory is not None for r in readings) else ExitCode.NO_DRIVER
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the GPUs once, or keep a live view with ``--watch``."""
+    if args.hosts is not None:
+        return _hosts(args)
+    if args.timeout is not None or args.ssh_command is not None:
+        from gpukit.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            "--timeout and --ssh-command apply to other machines, and no --hosts was given.",
+            hint="Add --hosts A,B,C, or leave them out to list this machine's GPUs.",
+        )
     fake = os.environ.get("GPUKIT_FAKE_NVML")
     if fake:
         print(

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("gpukit.cli.run", "pick, claim and wait for GPUs, then run a command on them"),
     "queue": ("gpukit.cli.queue", "who holds which GPU, who waits and why, unclaimed and idle use"),
     "usage": ("gpukit.cli.usage", "GPU-hours, runs and longest run per user, from the ledger"),
+    "serve": ("gpukit.cli.serve", "serve the GPUs as Prometheus metrics and a live web page"),
     "ckpt": ("gpukit.cli.ckpt", "inspect and repair checkpoints"),
     "demo": ("gpukit.cli.demo", "train a small network on bundled digits over every device"),
     "bench": ("gpukit.cli.bench", "measure this machine and gpukit against the alternatives"),
@@ -46,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors on exit code 2 and a pointer to --help."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(ExitCode.USAGE, f"gpukit: error: {message}\nTry '{self.prog} --help'.\n")
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\nTry '{self.prog} --help'.\n")
 
 
 def _command_module(name: str) -> ModuleType:
@@ -72,6 +73,14 @@ def build_parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser
+
+
 def _selected(argv: Sequence[str]) -> str | None:
     for arg in argv:
         if arg in COMMANDS:
@@ -90,6 +99,14 @@ def _warning_line(command: str) -> Callable[..., None]:
     return show
 
 
+def _os_error(exc: OSError) -> str:
+    where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+    return (
+        f"{where}: {exc.strerror or exc}. Check the path, that its folder exists and that you "
+        "may read or write it."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpukit`` with ``argv`` (default: the process arguments) and return the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -98,7 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args_list:
         parser.print_help()
         return ExitCode.OK
-    args = parser.parse_args(args_list)
+    args, extra = parser.parse_known_args(args_list)
+    if extra:  # said by the command's own parser, so that the message names the command
+        command_parser = _subparser(parser, args.command) if args.command else parser
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return ExitCode.USAGE
@@ -114,3 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `gpukit list | head`: the reader left; not our failure
         return ExitCode.OK
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        # A file or folder the user named that the system refused (a last resort: commands
+        # check their paths before working, so this is rare): a usage error, not a traceback.
+        print(f"gpukit {args.command}: {_os_error(exc)}", file=sys.stderr)
+        return ExitCode.USAGE

@@ -20,6 +20,12 @@ SCHEMA = "gpukit.pick/1"
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the arguments of ``gpukit pick``."""
     add_criteria(parser)
+    parser.add_argument(
+        "--all-gpus",
+        action="store_true",
+        help="choose among all of the machine's GPUs, not only those CUDA_VISIBLE_DEVICES "
+        "(or Slurm's SLURM_JOB_GPUS) grants",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (with a schema field)")
 
 
@@ -27,22 +33,27 @@ def run(args: argparse.Namespace) -> int:
     """Print the chosen NVML indices, comma separated (or JSON); exit 4 when too few qualify."""
     from gpukit.gpus.claims import current_claims
     from gpukit.gpus.inventory import inventory
+    from gpukit.gpus.visible import granted_inventory, visible_devices
 
     criteria = criteria_from(args)
     say_if_fake("pick")
-    inv = inventory()
+    machine = inventory()
     claims = current_claims()
     try:
+        inv = machine if args.all_gpus else granted_inventory(machine, args.gpus)
         gpus = choose(inv, args.gpus, criteria, order=args.order, claims=claims)
     except GpukitError as exc:
         return print_error("pick", exc)
     if args.json:
+        cuda = visible_devices(machine).cuda_indices()
         print_json(
             {
                 "schema": SCHEMA,
                 "indices": [g.index for g in gpus],
                 "uuids": [g.uuid for g in gpus],
                 "cuda_visible_devices": ",".join(str(g.index) for g in gpus),
+                # What this process's CUDA calls each GPU now (under its CUDA_VISIBLE_DEVICES).
+                "cuda_indices": [cuda[g.index][0] if g.index in cuda else None for g in gpus],
                 "criteria": criteria.describe(),
                 "source": inv.source,
             }

@@ -25,11 +25,12 @@ import sys
 import time
 from collections.abc import Sequence
 
+from gpukit.cli._args import Number, Seconds
 from gpukit.cli._criteria import add_criteria, criteria_from, excluded
 from gpukit.cli._launch import launch
 from gpukit.cli._output import print_error, say_if_fake
 from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.gpus.acquire import MOST_POLL_S, POLL_VAR, acquire, poll_interval
+from gpukit.gpus.acquire import POLL_VAR, acquire, poll_interval
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import load_policy
 
@@ -43,13 +44,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     waiting.add_argument("--wait", action="store_true", help="wait in line until the GPUs are free")
     waiting.add_argument(
         "--timeout",
-        type=float,
+        type=Seconds(),
         metavar="S",
         help="give up after S seconds of waiting: exit 124 (implies --wait)",
     )
     waiting.add_argument(
         "--settle",
-        type=int,
+        type=Number(1, 1_000_000),
         default=3,
         metavar="K",
         help="with --wait, GPUs must qualify K polls in a row, as a neighbour may still be "
@@ -57,14 +58,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     waiting.add_argument(
         "--poll",
-        type=float,
+        type=Seconds(positive=True),
         default=None,
         metavar="S",
         help=f"seconds between polls (2, or ${POLL_VAR})",
     )
+    parser.add_argument(
+        "--all-gpus",
+        action="store_true",
+        help="choose among all of the machine's GPUs, not only those CUDA_VISIBLE_DEVICES "
+        "(or Slurm's SLURM_JOB_GPUS) grants",
+    )
     launch = parser.add_argument_group("launching")
     launch.add_argument(
-        "--ddp", action="store_true", help="run CMD under torchrun, one process per GPU"
+        "--ddp",
+        action="store_true",
+        help="run CMD under torchrun, one process per GPU; in a multi-node Slurm or SkyPilot "
+        "job (one task per node), join the job's other nodes",
     )
     launch.add_argument(
         "--cpu-ok",
@@ -91,11 +101,13 @@ def ddp_command(cmd: Sequence[str], nproc: int) -> list[str]:
 
     ``python train.py ...`` becomes ``torchrun train.py ...``, ``python -m pkg`` becomes
     ``torchrun -m pkg``, and any other program (``python -u train.py`` included) runs with
-    ``--no-python``. ``--standalone``
-    gives each job its own rendezvous port, so two jobs on one server do not collide.
+    ``--no-python``. On one machine ``--standalone`` gives each job its own rendezvous port, so
+    two jobs on one server do not collide; in a multi-node job the options come from
+    :func:`gpukit.distributed.torchrun_args` (the job's nodes and a rendezvous derived from it).
     """
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launcher.append(f"--nproc-per-node={nproc}")
+    from gpukit.distributed.environment import torchrun_args
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc)]
     program = os.path.basename(cmd[0])
     # torchrun takes the script or -m, not python's own options (python -u train.py): with
     # those, it runs the whole python command line as a program instead.
@@ -154,10 +166,9 @@ def run(args: argparse.Namespace) -> int:
     criteria_from(args)  # the options' own mistakes, before anything is read
     configured = poll_interval()  # a bad $GPUKIT_POLL_INTERVAL is refused by every run
     poll = configured if args.poll is None else args.poll
-    if args.settle < 1 or not 0 < poll <= MOST_POLL_S:
+    if args.settle < 1 or not poll > 0 or poll == float("inf"):
         raise InvalidArgumentError(
-            f"--settle {args.settle} --poll {poll:g}: both must be positive numbers, --poll at "
-            f"most {MOST_POLL_S:g} seconds.",
+            f"--settle {args.settle} --poll {poll}: both must be positive numbers.",
             hint="Use e.g. --settle 3 --poll 2.",
         )
     if args.timeout is not None and not args.timeout >= 0:  # also refuses nan
@@ -192,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             command=shlex.join(cmd),
             on_status=status,
             read=lambda: first.pop() if first else inventory(),
+            all_gpus=args.all_gpus,
         )
     except GpukitError as exc:
         if waits:

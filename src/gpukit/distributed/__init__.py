@@ -12,34 +12,70 @@ The same script runs with ``python train.py`` (one process, nothing to set up) a
         for x, y in loader:          # this process's shard, already on its device
             loss = loss_fn(model(x), y)
             opt.zero_grad(); loss.backward(); opt.step()   # DDP averages the gradients
-        dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss):.3f}")
+        dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss, weight=len(x)):.3f}")
 
-Process groups, rendezvous and launching are torch.distributed's and torchrun's; this module
-only reads their environment, picks the backend and device, and wires the model and data.
+Process groups, rendezvous and launching are torch.distributed's and torchrun's, under the
+cluster's own scheduler; this module only reads the job's environment (torchrun, Slurm, Open
+MPI, SkyPilot: :func:`environment`), picks the backend and device, and wires the model and data.
 """
 
-from gpukit.distributed.data import DistributedLoader
-from gpukit.distributed.launcher import free_port, launch
-from gpukit.distributed.process_group import (
-    DistributedContext,
-    all_reduce_mean,
-    barrier,
-    gather_for_metrics,
-    get_logger,
-    init,
-    is_main,
-    local_rank,
-    prepare,
-    print_main,
-    rank,
-    world_size,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Reading the job never imports torch, so `gpukit run --ddp` stays fast; it is imported here
+# at once, which also makes `environment` the function, not its module of the same name.
+from gpukit.distributed.environment import Environment, environment, torchrun_args
+
+# Everything else needs torch: loaded on first use.
+_EXPORTS = {
+    "DistributedLoader": "gpukit.distributed.data",
+    "free_port": "gpukit.distributed.launcher",
+    "launch": "gpukit.distributed.launcher",
+    **{
+        name: "gpukit.distributed.process_group"
+        for name in (
+            "DistributedContext",
+            "all_reduce_mean",
+            "barrier",
+            "gather_for_metrics",
+            "get_logger",
+            "init",
+            "is_main",
+            "local_rank",
+            "prepare",
+            "print_main",
+            "rank",
+            "world_size",
+        )
+    },
+}
+
+if TYPE_CHECKING:
+    from gpukit.distributed.data import DistributedLoader as DistributedLoader
+    from gpukit.distributed.launcher import free_port as free_port
+    from gpukit.distributed.launcher import launch as launch
+    from gpukit.distributed.process_group import DistributedContext as DistributedContext
+    from gpukit.distributed.process_group import all_reduce_mean as all_reduce_mean
+    from gpukit.distributed.process_group import barrier as barrier
+    from gpukit.distributed.process_group import gather_for_metrics as gather_for_metrics
+    from gpukit.distributed.process_group import get_logger as get_logger
+    from gpukit.distributed.process_group import init as init
+    from gpukit.distributed.process_group import is_main as is_main
+    from gpukit.distributed.process_group import local_rank as local_rank
+    from gpukit.distributed.process_group import prepare as prepare
+    from gpukit.distributed.process_group import print_main as print_main
+    from gpukit.distributed.process_group import rank as rank
+    from gpukit.distributed.process_group import world_size as world_size
 
 __all__ = [
     "DistributedContext",
     "DistributedLoader",
+    "Environment",
     "all_reduce_mean",
     "barrier",
+    "environment",
     "free_port",
     "gather_for_metrics",
     "get_logger",
@@ -50,5 +86,19 @@ __all__ = [
     "prepare",
     "print_main",
     "rank",
+    "torchrun_args",
     "world_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    target = _EXPORTS.get(name)
+    if target is None:
+        raise AttributeError(f"module 'gpukit.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

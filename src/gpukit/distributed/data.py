@@ -1,25 +1,44 @@
-"""Data for several processes: a loader that shards with DistributedSampler, and knows its padding.
+"""Data for several processes: every global batch split over the ranks, no sample repeated.
 
-``DistributedSampler`` evens out a dataset whose length the world size does not divide by
-repeating samples from the start of the (shuffled) order. Rank ``r`` takes positions
-``r, r + W, r + 2W, ...`` of that padded order, so the repeated samples are exactly the positions
-``>= len(dataset)``. :class:`DistributedLoader` counts how many samples each rank has produced,
-which is all :func:`kept_mask` needs to tell, for a gathered batch, which rows are repeats.
+One process and N processes see the same global batches: the dataset's order (shuffled with
+``seed + epoch``, the same on every rank) is cut into global batches of ``global_batch_size``,
+and each global batch into N contiguous shares, the first ones one sample larger when N does
+not divide it. Nothing is repeated to even the ranks out (torch's ``DistributedSampler`` repeats
+samples from the start of the order): the last global batch of an epoch may give a rank fewer
+samples than the others, or none, and a rank with none receives an *empty batch* (the
+structure of a batch, with 0 rows) so that every rank takes the same number of steps.
+
+Because shares differ in size, averaging the ranks' gradients would weigh a sample of a small
+share more than one of a large share. :class:`SampleWeights` (a DDP communication hook that
+:func:`~gpukit.distributed.process_group.prepare` installs) weighs each rank's gradient by its
+share of the global batch instead, so the update is the one a single process computes on the
+whole global batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    GradBucket,  # public as torch.distributed.GradBucket; typed here
+)
+from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
-from gpukit import _tree
 from gpukit.errors import InvalidArgumentError
 from gpukit.transfer import to_device
 
-__all__ = ["DistributedLoader", "active_loader", "kept_mask", "per_device_size"]
+__all__ = [
+    "DistributedLoader",
+    "RankBatches",
+    "SampleWeights",
+    "active_loader",
+    "per_device_size",
+    "share",
+    "weighted_allreduce",
+]
 
 _ACTIVE: list[DistributedLoader] = []
 
@@ -29,21 +48,18 @@ def active_loader() -> DistributedLoader | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def kept_mask(dataset_len: int, world_size: int, start: int, batch_len: int) -> list[bool]:
-    """Which rows of a gathered batch are real samples (True) rather than sampler padding.
+def share(batch_len: int, world_size: int, rank: int) -> range:
+    """The positions of a global batch of ``batch_len`` samples that ``rank`` takes.
 
-    The gathered batch holds ``batch_len`` rows from each rank in rank order; every rank had
-    produced ``start`` samples before this batch. Row ``i`` of rank ``r`` is position
-    ``(start + i) * world_size + r`` of the padded order, a repeat when ``>= dataset_len``.
+    Contiguous shares in rank order, the first ``batch_len % world_size`` one larger, so a
+    gather in rank order gives back the global batch in its order.
 
-    >>> kept_mask(dataset_len=5, world_size=2, start=2, batch_len=1)
-    [True, False]
+    >>> [list(share(5, 2, r)) for r in range(2)], list(share(1, 2, 1))
+    ([[0, 1, 2], [3, 4]], [])
     """
-    return [
-        (start + i) * world_size + r < dataset_len
-        for r in range(world_size)
-        for i in range(batch_len)
-    ]
+    base, extra = divmod(batch_len, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
 
 
 def per_device_size(
@@ -91,21 +107,154 @@ def _shuffles(loader: DataLoader[Any]) -> bool:
     sampler = loader.sampler
     if isinstance(sampler, RandomSampler):
         return True
-    if isinstance(sampler, (SequentialSampler, DistributedSampler)):
-        return bool(getattr(sampler, "shuffle", False))
+    if isinstance(sampler, SequentialSampler):
+        return False
     raise InvalidArgumentError(
         f"the loader samples with a {type(sampler).__name__}, which prepare() cannot shard "
         "over processes without changing what it does.",
-        hint="Build the loader with shuffle=True or shuffle=False and let prepare() add a "
-        "DistributedSampler, or shard your sampler yourself and skip the loader in prepare().",
+        hint="Build the loader with shuffle=True or shuffle=False and let prepare() shard it, "
+        "or shard your sampler yourself and skip the loader in prepare().",
     )
 
 
-class DistributedLoader:
-    """A DataLoader over this process's shard, with its batches moved to the process's device.
+class RankBatches(Sampler[list[int]]):
+    """This rank's share of each global batch, as lists of dataset indices (maybe empty).
 
-    Each pass calls ``sampler.set_epoch`` with the pass number (or the value given to
-    :meth:`set_epoch`), so shuffling differs per epoch and agrees across processes.
+    ``set_epoch(e)`` chooses the shuffle: the order is ``torch.randperm`` seeded with
+    ``seed + e``, the same on every rank and for any world size.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        global_batch_size: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+    ) -> None:
+        self.dataset_len = dataset_len
+        self.global_batch_size = global_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the shuffle of ``epoch`` for the next pass."""
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        """The dataset's order for this epoch, the same on every rank."""
+        if not self.shuffle:
+            return list(range(self.dataset_len))
+        gen = torch.Generator()
+        gen.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_len, generator=gen).tolist()
+
+    def global_batches(self) -> list[list[int]]:
+        """Every global batch of this epoch (the last one shorter unless drop_last)."""
+        order, size = self.order(), self.global_batch_size
+        batches = [order[i : i + size] for i in range(0, len(order), size)]
+        if self.drop_last and batches and len(batches[-1]) < size:
+            batches.pop()
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.global_batches():
+            yield [batch[i] for i in share(len(batch), self.world_size, self.rank)]
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.dataset_len, self.global_batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+
+class _EmptyAware:
+    """The loader's collate function, which also builds a 0-row batch for an empty share.
+
+    A batch of no sample has no structure to collate from, so one sample is collated and
+    every tensor (and list) in it cut to 0 rows: the model runs on it, its gradient is 0.
+    """
+
+    def __init__(self, collate: Callable[[list[Any]], Any], dataset: Sequence[Any]) -> None:
+        self.collate = collate
+        self.dataset = dataset
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if samples:
+            return self.collate(samples)
+        return _empty(self.collate([self.dataset[0]]))
+
+
+def _empty(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[:0] if batch.dim() else batch
+    if isinstance(batch, dict):
+        return type(batch)({k: _empty(v) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_empty(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if batch and all(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+            return type(batch)(_empty(v) for v in batch)
+        return type(batch)()  # a list of per-sample values (strings, ids): no sample, no value
+    return batch
+
+
+class SampleWeights:
+    """State of the DDP communication hook that weighs each rank's gradient by its samples.
+
+    Each rank's gradient is the mean over its own share of ``n_r`` samples; the hook sums
+    ``n_r / n * grad_r`` over the ranks, where ``n`` is the global batch's size, which is the
+    mean over the whole global batch: exactly one process's gradient. Outside a prepared
+    loader's batch (or with equal shares) it is DDP's plain average. The loss must be a mean
+    over the batch (PyTorch's default ``reduction="mean"``).
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def weight(self) -> float:
+        """This rank's share of the current global batch, or 1/N outside a prepared loader."""
+        loader = active_loader()
+        if loader is None or loader.current_global_len == 0:
+            return 1.0 / self.world_size
+        return loader.current_len / loader.current_global_len
+
+
+def weighted_allreduce(
+    state: SampleWeights, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The communication hook of :class:`SampleWeights`: register it with that state."""
+    buffer = bucket.buffer()
+    weight = state.weight()
+    if weight == 0.0:
+        buffer.zero_()  # an empty share: a loss over no sample may read nan, its gradient is 0
+    else:
+        buffer.mul_(weight)
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
+    assert work is not None
+    summed: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0])
+    return summed
+
+
+# DDP checks the hook's annotations as objects; this module's are strings (future annotations).
+weighted_allreduce.__annotations__ = {
+    "state": SampleWeights,
+    "bucket": GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+class DistributedLoader:
+    """A DataLoader over this process's share of each global batch, moved to its device.
+
+    Each pass calls ``set_epoch`` on the sampler with the pass number (or the value given to
+    :meth:`set_epoch`), so shuffling differs per epoch and agrees across processes. Every rank
+    yields ``len(self)`` batches; the last may be shorter, or empty on some ranks.
     ``batch_size`` is per process; ``global_batch_size`` is what one step sees over all of them.
     """
 
@@ -125,17 +274,21 @@ class DistributedLoader:
                 hint="Build the loader with batch_size=... and shuffle=..., not batch_sampler.",
             )
         dataset = loader.dataset
-        self.sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=_shuffles(loader), seed=seed
+        self.sampler = RankBatches(
+            len(dataset),  # type: ignore[arg-type]
+            global_batch_size=batch_size * world_size,
+            rank=rank,
+            world_size=world_size,
+            shuffle=_shuffles(loader),
+            seed=seed,
+            drop_last=loader.drop_last,
         )
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=self.sampler,
+            batch_sampler=self.sampler,
             num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
+            collate_fn=_EmptyAware(loader.collate_fn, dataset),  # type: ignore[arg-type]
             pin_memory=loader.pin_memory or device.type == "cuda",
-            drop_last=loader.drop_last,
             timeout=loader.timeout,
             worker_init_fn=loader.worker_init_fn,
             multiprocessing_context=loader.multiprocessing_context,
@@ -146,48 +299,45 @@ class DistributedLoader:
         self.batch_size = batch_size
         self.global_batch_size = batch_size * world_size
         self.device = device
+        self.rank = rank
         self.world_size = world_size
         self._epoch = 0
         self._epoch_set = False
         self.produced = 0
         self.current_len = 0
+        self.current_global_len = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next pass's shuffle (otherwise passes are numbered 0, 1, 2...)."""
+        """Use ``epoch`` for the next pass's shuffle; the passes after it count on from there."""
         self._epoch = epoch
         self._epoch_set = True
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self._epoch)
+        sizes = [len(b) for b in self.sampler.global_batches()]
+        # A set_epoch before this pass is used up now; only one during it chooses the next pass.
+        self._epoch_set = False
         self.produced = 0
         self.current_len = 0
+        self.current_global_len = 0
         _ACTIVE.append(self)
         try:
-            for batch in self.loader:
+            for step, batch in enumerate(self.loader):
                 self.produced += self.current_len
-                self.current_len = _batch_len(batch)
+                self.current_global_len = sizes[step]
+                self.current_len = len(share(sizes[step], self.world_size, self.rank))
                 yield to_device(batch, self.device)
         finally:
             _ACTIVE.remove(self)
             if not self._epoch_set:
                 self._epoch += 1
-            self._epoch_set = False
 
     def kept_rows(self) -> list[bool]:
-        """For the batch being processed, which rows of a gather over all ranks are real samples."""
-        if self.sampler.drop_last:
-            return [True] * (self.current_len * self.world_size)
-        dataset_len = len(self.dataset)  # type: ignore[arg-type]
-        return kept_mask(dataset_len, self.world_size, self.produced, self.current_len)
+        """For the batch being processed, which rows of a gather over all ranks are samples.
 
-
-def _batch_len(batch: Any) -> int:
-    """Number of samples in a collated batch: the leading size of its first non-empty tensor."""
-    for _, tensor in _tree.leaves_with_paths(batch, torch.Tensor):
-        size = int(tensor.shape[0]) if tensor.dim() else 1
-        if size:
-            return size
-    return 0
+        Every row is: no sample is repeated, so a gather holds the global batch exactly once.
+        """
+        return [True] * self.current_global_len

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -67,7 +68,9 @@ def _worker(fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], re
         try:
             init(backend=backend)
             try:
-                return fn(*args)
+                result = fn(*args)
+                _check_result_travels(fn, result)
+                return result
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group()
@@ -85,9 +88,41 @@ def _worker(fn: Callable[..., R], backend: str | None, args: tuple[Any, ...], re
     return result
 
 
-def _agent_view(failure: Any) -> str:
+class _Discard:
+    """A file that forgets what is written: pickling into it costs no memory."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _check_result_travels(fn: Callable[..., Any], result: object) -> None:
+    # The result goes back to the parent by pickle, after fn has returned; a value that cannot
+    # be pickled would end the worker with a bare exit code 1 and no word of why.
+    try:
+        pickle.Pickler(_Discard()).dump(result)
+    except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
+        raise InvalidArgumentError(
+            f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__}, which "
+            f"cannot be sent back to the launching process by pickle ({exc}).",
+            hint="Return plain data (numbers, strings, lists, dicts, tensors, state dicts), not "
+            "open files, locks, generators, lambdas or models holding them.",
+        ) from exc
+
+
+_NOT_LOADED = "before running the function: the worker could not load it or its arguments"
+_LOAD_HINT = (
+    'With the default start_method="spawn", workers import the function by name: define it in '
+    "a module file they can import, not in `python -c`, a notebook cell or the REPL (the "
+    'worker\'s own error is on stderr above). start_method="fork" works in notebooks on Linux, '
+    "before CUDA starts."
+)
+
+
+def _agent_view(failure: Any, started: bool = True) -> str:
     if failure.exitcode < 0:
         return f"was killed by {failure.signal_name()} (pid {failure.pid})"
+    if not started:
+        return f"exited with code {failure.exitcode} (pid {failure.pid}) {_NOT_LOADED}"
     return f"exited with code {failure.exitcode} (pid {failure.pid}) without a Python error"
 
 
@@ -110,7 +145,8 @@ def _failures(failed: dict[int, Any], reports: Path) -> list[tuple[int, str, str
         )
     for rank, failure in failed.items():
         if rank not in found:  # no Python error: a signal or a hard exit, seen first by the agent
-            found[rank] = (0.0, 0.0, _agent_view(failure), None)
+            started = (reports / f"{rank}.start").exists()
+            found[rank] = (0.0, 0.0, _agent_view(failure, started), None)
     if any(entry[0] == 1.0 for entry in found.values()):
         # Another rank lost its peer: a rank that vanished without a word is the likely cause.
         for path in reports.glob("*.start"):
@@ -124,6 +160,16 @@ def _failures(failed: dict[int, Any], reports: Path) -> list[tuple[int, str, str
 def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...], start_method: str) -> None:
     # Spawned workers receive fn and args by pickle; a lambda or a nested function would
     # otherwise fail deep inside multiprocessing with "Can't pickle local object".
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        # Pickled as "__main__.f": a spawned worker has no such __main__ to find f in.
+        raise InvalidArgumentError(
+            f"launch() cannot start {getattr(fn, '__qualname__', fn)!r} in {start_method}ed "
+            "processes: it is defined in `python -c`, a notebook cell or the REPL, where "
+            "the workers cannot import it.",
+            hint="Define fn in a module file and import it from there, or pass "
+            'start_method="fork" (Linux; works in notebooks, before CUDA starts).',
+        )
     try:
         pickle.dumps((fn, args))
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -182,11 +228,14 @@ def launch(
             failures = _failures(exc.failures, Path(reports))
             first_rank, first_text, trace = failures[0]
             then = "; then ".join(f"rank {r} {text}" for r, text, _ in failures[1:])
+            hint = f"Fix rank {first_rank} first: when one rank fails the launcher stops the "
+            hint += "others, and their errors follow from it"
+            hint += " (its traceback is this error's __cause__)." if trace else "."
+            if _NOT_LOADED in first_text:
+                hint = _LOAD_HINT
             raise WorkerFailedError(
                 f"launch() of {getattr(fn, '__name__', fn)!r} on {nprocs} processes failed: "
                 f"rank {first_rank} {first_text}" + (f"; then {then}" if then else "") + ".",
-                hint=f"Fix rank {first_rank} first: when one rank fails the launcher stops the "
-                "others, and their errors follow from it"
-                + (" (its traceback is this error's __cause__)." if trace else "."),
+                hint=hint,
             ) from (RuntimeError(f"rank {first_rank}'s traceback:\n{trace}") if trace else None)
     return [results[rank] for rank in sorted(results)]

@@ -21,8 +21,14 @@ from torch.utils.data import DataLoader
 
 from gpukit import _tree
 from gpukit.devices import device as _auto_device
-from gpukit.distributed.data import DistributedLoader, active_loader, per_device_size
-from gpukit.distributed.env import LaunchEnv, read_env
+from gpukit.distributed.data import (
+    DistributedLoader,
+    SampleWeights,
+    active_loader,
+    per_device_size,
+    weighted_allreduce,
+)
+from gpukit.distributed.environment import Environment, check_devices, environment
 from gpukit.errors import DistributedError, InvalidArgumentError
 from gpukit.transfer import to_device
 
@@ -71,28 +77,35 @@ class DistributedContext:
 _context: DistributedContext | None = None
 
 
-def _cuda_per_process(launch_env: LaunchEnv) -> bool:
-    # NCCL needs a GPU of its own for each process on this machine; with fewer GPUs than
-    # processes every rank falls back to gloo on CPU, so that all ranks agree on the backend.
-    return (
-        torch.cuda.is_available()
-        and torch.cuda.device_count() >= launch_env.local_world_size
-        and dist.is_nccl_available()
+def _pick(found: Environment, backend: str | None) -> tuple[str, torch.device]:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "gloo" or count == 0 or not dist.is_nccl_available():
+        if backend == "nccl":
+            raise DistributedError(
+                f"backend 'nccl' was asked for, but this process sees {count} usable CUDA "
+                "devices" + ("" if count else " (CUDA_VISIBLE_DEVICES, driver)") + ".",
+                hint="Run on GPUs, or use backend='gloo'.",
+            )
+        return backend or "gloo", torch.device("cpu")
+    # A local rank beyond this process's GPUs would wait forever for a peer that never joins:
+    # say so now, naming the variables, instead of falling back or hanging in the rendezvous.
+    check_devices(found, count, "CUDA (torch.cuda.device_count())")
+    return backend or "nccl", torch.device("cuda", found.cuda_index)
+
+
+def _check_backend(backend: object) -> None:
+    """Refuse a backend torch does not know, even where no launcher would have used it."""
+    if backend is None:
+        return
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    # "cpu:gloo,cuda:nccl" names a backend per device type; torch checks each part itself.
+    if isinstance(backend, str) and (backend.lower() in known or ":" in backend):
+        return
+    raise InvalidArgumentError(
+        f"backend={backend!r} is not a torch.distributed backend.",
+        hint=f"Use one of {', '.join(known)}, or leave it out: gpukit picks nccl when every "
+        "process has a GPU, gloo otherwise.",
     )
-
-
-def _pick(launch_env: LaunchEnv, backend: str | None) -> tuple[str, torch.device]:
-    has_cuda = _cuda_per_process(launch_env)
-    chosen = backend or ("nccl" if has_cuda else "gloo")
-    if chosen == "nccl" and not has_cuda:
-        raise DistributedError(
-            f"backend 'nccl' was asked for {launch_env.local_world_size} processes on this "
-            f"machine, but it has {torch.cuda.device_count()} usable CUDA devices.",
-            hint="Start at most one process per GPU (--nproc-per-node), or use backend='gloo'.",
-        )
-    if has_cuda:
-        return chosen, torch.device("cuda", launch_env.local_rank)
-    return chosen, torch.device("cpu")
 
 
 def init(
@@ -100,18 +113,23 @@ def init(
 ) -> DistributedContext:
     """Join the process group the launcher prepared, or return a one-process context.
 
-    Reads torchrun's (or SLURM srun's) environment; picks NCCL when each process of this
-    machine has a CUDA device, gloo otherwise; gives process ``local_rank`` the device
-    ``cuda:<local_rank>``. Without a launcher it starts nothing and returns rank 0 of 1 on
-    ``gk.device("auto")``. Calling it again returns the same context.
+    Reads the job from :func:`~gpukit.distributed.environment.environment` (torchrun, Slurm's
+    ``srun``, Open MPI, SkyPilot), so ``srun python train.py`` needs nothing exported by hand;
+    picks NCCL when this process sees a CUDA device, gloo otherwise; gives the process the
+    device ``cuda:<local_rank>`` (``cuda:0`` when the scheduler bound each task to its own
+    GPUs). A local rank beyond the GPUs this process sees fails at once with a
+    :class:`~gpukit.errors.DistributedError` naming the variables. Without a launcher it starts
+    nothing and returns rank 0 of 1 on ``gk.device("auto")``. Calling it again returns the
+    same context.
 
     >>> init().world_size            # plain `python script.py`
     1
     """
     global _context
+    _check_backend(backend)
     if _context is not None and (_context.distributed == dist.is_initialized()):
         return _context
-    launch_env = read_env()
+    launch_env = environment()
     if dist.is_initialized():  # someone else set the group up: describe it, do not redo it
         group_backend = str(dist.get_backend())
         dev = (
@@ -137,7 +155,7 @@ def init(
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(
         chosen,
-        init_method="env://",
+        init_method=_init_method(launch_env),
         rank=launch_env.rank,
         world_size=launch_env.world_size,
         **kwargs,
@@ -153,6 +171,16 @@ def init(
     return _context
 
 
+def _init_method(found: Environment) -> str:
+    # torchrun's workers may share the agent's store, which only env:// knows how to find;
+    # elsewhere the address and port come from the job, not from exported variables.
+    if found.source == "torchrun":
+        return "env://"
+    host = found.master_addr or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{found.master_port}"
+
+
 def _ready() -> DistributedContext:
     """The context, joining the group first when a launcher started us and nobody called init()."""
     return init()
@@ -160,17 +188,17 @@ def _ready() -> DistributedContext:
 
 def rank() -> int:
     """This process's global rank (0 when not launched distributed)."""
-    return dist.get_rank() if dist.is_initialized() else read_env().rank
+    return dist.get_rank() if dist.is_initialized() else environment().rank
 
 
 def local_rank() -> int:
     """This process's rank on its machine, which is also its GPU index."""
-    return read_env().local_rank
+    return environment().local_rank
 
 
 def world_size() -> int:
     """How many processes take part in the run (1 when not launched distributed)."""
-    return dist.get_world_size() if dist.is_initialized() else read_env().world_size
+    return dist.get_world_size() if dist.is_initialized() else environment().world_size
 
 
 def is_main() -> bool:
@@ -208,16 +236,29 @@ def get_logger(name: str) -> logging.Logger:
     return logger
 
 
-def all_reduce_mean(x: torch.Tensor | float) -> Any:
+def all_reduce_mean(x: torch.Tensor | float, *, weight: float | None = None) -> Any:
     """The mean of ``x`` over all processes: a tensor for a tensor, a float for a number.
+
+    With ``weight``, the weighted mean ``sum(w * x) / sum(w)``: pass ``weight=len(batch)`` to
+    get the loss one process computes on the whole global batch, exact in the last, uneven step
+    of an epoch. A process with weight 0 (an empty batch, whose mean loss reads nan) counts for
+    nothing. Every process must call it, empty batch or not.
 
     >>> all_reduce_mean(2.0)        # one process: its own value
     2.0
+    >>> # dist.all_reduce_mean(loss, weight=len(x))            # the global batch's mean loss
     """
     if isinstance(x, bool) or not isinstance(x, (torch.Tensor, int, float)):
         raise InvalidArgumentError(
             f"all_reduce_mean takes a tensor or a number, not {type(x).__name__} ({x!r:.40}).",
             hint="Pass the value itself, e.g. all_reduce_mean(loss.item()) or all_reduce_mean(t).",
+        )
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0
+    ):
+        raise InvalidArgumentError(
+            f"all_reduce_mean(weight={weight!r}): a weight is a number of samples, 0 or more.",
+            hint="Pass weight=len(batch), or leave it out for a plain mean over processes.",
         )
     ctx = _ready()
     is_number = not isinstance(x, torch.Tensor)
@@ -227,8 +268,16 @@ def all_reduce_mean(x: torch.Tensor | float) -> Any:
     if ctx.distributed:
         origin = tensor.device
         work = tensor.detach().to(ctx.device, copy=True)
-        dist.all_reduce(work, op=dist.ReduceOp.SUM)
-        tensor = (work / ctx.world_size).to(origin)
+        if weight is None:
+            dist.all_reduce(work, op=dist.ReduceOp.SUM)
+            tensor = (work / ctx.world_size).to(origin)
+        else:
+            # One collective for the weighted values and the weights; a weight of 0 drops the
+            # value itself, so the nan of a mean over no sample never reaches the sum.
+            scaled = torch.zeros_like(work) if weight == 0 else work * weight
+            packed = torch.cat([scaled.flatten(), work.new_tensor([float(weight)])])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+            tensor = (packed[:-1] / packed[-1]).reshape(work.shape).to(origin)
     return float(tensor) if is_number else tensor
 
 
@@ -370,7 +419,11 @@ def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, 
     if ctx.world_size == 1:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, **ddp)
+    wrapped = DistributedDataParallel(model, device_ids=ids, **ddp)
+    # Shares of a global batch may differ (the last batch of an epoch): weigh each rank's
+    # gradient by its samples, not by 1/N, so the step is the one a single process takes.
+    wrapped.register_comm_hook(SampleWeights(ctx.world_size), weighted_allreduce)
+    return wrapped
 
 
 def _check_objects(model: object, optimizer: object, loader: object) -> None:
@@ -461,10 +514,12 @@ def prepare(
     Returns what it was given, in the same order, without the ``None`` s: ``model``,
     ``(model, optimizer)``, ``(model, loader)`` or ``(model, optimizer, loader)``. A loader
     needs an explicit batch size: ``per_device_batch_size=B`` (each process loads B samples) or
-    ``global_batch_size=G`` (one step sees G samples over all processes). Its samples are split
-    with a ``DistributedSampler`` seeded with ``seed`` (shuffled when the loader shuffled), a new
-    shuffle each epoch, and its batches arrive on this process's device. The loader is sharded
-    the same way with one process, so 1 and N processes see the same global batches.
+    ``global_batch_size=G`` (one step sees G samples over all processes). Each global batch
+    (shuffled with ``seed``, a new shuffle each epoch, when the loader shuffled) is split over
+    the processes without repeating any sample, and its batches arrive on this process's
+    device. The DDP model weighs each process's gradient by its share of the global batch, so
+    N processes end with the same weights as one, whatever the dataset's size; in the last
+    step of an epoch a process may get fewer samples than the others, or an empty batch.
 
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
     """

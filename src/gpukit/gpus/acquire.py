@@ -16,13 +16,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
-from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError
+from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError, check_bool
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import ORDERS, Criteria, Order, assess, check_user_limit, choose
 from gpukit.gpus.select import no_gpu_error as _no_gpu_error
+from gpukit.gpus.visible import granted_inventory
 from gpukit.gpus.waiting import wait_and_claim
 
 __all__ = ["POLL_VAR", "acquire", "poll_interval"]
@@ -30,8 +32,9 @@ __all__ = ["POLL_VAR", "acquire", "poll_interval"]
 POLL_VAR = "GPUKIT_POLL_INTERVAL"
 """Seconds between two readings of the GPUs while waiting, when ``poll`` is not given."""
 _DEFAULT_POLL = 2.0
-MOST_POLL_S = 86400.0
-"""The longest interval between polls: more is a typo, and time.sleep(1e12) overflows."""
+MOST_POLL_S = 366 * 86400.0
+"""The longest interval between polls, a year as for the CLI's durations: time.sleep(1e12)
+overflows."""
 # Another process may claim a GPU between reading the claims and locking it: read again.
 _CLAIM_TRIES = 3
 
@@ -78,7 +81,7 @@ def _seconds(
 def poll_interval(poll: float | None = None) -> float:
     """Seconds between polls: ``poll``, else ``$GPUKIT_POLL_INTERVAL``, else 2.
 
-    Raises InvalidArgumentError for anything but a number above 0 and up to a day, the
+    Raises InvalidArgumentError for anything but a number above 0 and up to a year, the
     environment variable included, whether or not anything will wait.
     """
     if poll is not None:
@@ -104,6 +107,7 @@ def acquire(
     command: str | None = None,
     on_status: Callable[[str], None] | None = None,
     read: Callable[[], Inventory] = inventory,
+    all_gpus: bool = False,
 ) -> Claim:
     """Claim ``n`` GPUs that meet the criteria, waiting in line for them if asked.
 
@@ -118,7 +122,9 @@ def acquire(
     lock folder's per-user limit fail at once. ``command`` is recorded in the claim and the
     ticket for ``gpukit list`` and ``gpukit queue`` (default: this process's command line);
     ``on_status`` receives a line of text at each poll; ``read`` reads the GPUs (default
-    :func:`gpukit.inventory`; tests pass a stand-in).
+    :func:`gpukit.inventory`; tests pass a stand-in). Only the GPUs this process was granted
+    (``CUDA_VISIBLE_DEVICES``, or Slurm's ``SLURM_STEP_GPUS`` / ``SLURM_JOB_GPUS``) are
+    chosen from, unless ``all_gpus``.
 
     Raises InvalidArgumentError for bad arguments (an ``exclude`` naming a GPU the machine
     does not have included), UserLimitError (exit 4) when this user already holds their share,
@@ -129,11 +135,8 @@ def acquire(
     >>> held.indices, held.release()                       # doctest: +SKIP
     ([3], None)
     """
-    if not isinstance(wait, bool):
-        raise InvalidArgumentError(
-            f"wait={wait!r} (a {type(wait).__name__}) is not True or False.",
-            hint="Pass wait=True or wait=False.",
-        )
+    check_bool("wait", wait)
+    check_bool("all_gpus", all_gpus)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InvalidArgumentError(
             f"Cannot acquire {n!r} GPUs.", hint="Ask for 1 or more, as an int."
@@ -157,6 +160,8 @@ def acquire(
     policy = load_policy(folder)
     inv = read()
     criteria.check_exclude(inv)
+    if not all_gpus:
+        criteria = _granted_only(inv, n, criteria)
     if wait or limit is not None:
         return wait_and_claim(
             n,
@@ -193,3 +198,14 @@ def acquire(
             )
         return held
     raise AssertionError("unreachable")
+
+
+def _granted_only(inv: Inventory, n: int, criteria: Criteria) -> Criteria:
+    """``criteria`` that also exclude every GPU the scheduler or the user did not grant.
+
+    Raises NoGpuAvailableError when fewer than ``n`` are granted, VisibleDevicesError when the
+    grant cannot be mapped to NVML's GPUs exactly.
+    """
+    granted = granted_inventory(inv, n)
+    others = tuple(g.uuid for g in inv.gpus if g not in granted.gpus)
+    return replace(criteria, exclude=(*criteria.exclude, *others)) if others else criteria

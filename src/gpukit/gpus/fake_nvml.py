@@ -1,7 +1,9 @@
 """A stand-in for the ``pynvml`` module (nvidia-ml-py), answering from a machine description.
 
-Switched on for a whole process by ``GPUKIT_FAKE_NVML=<machine description file>``, so that
-tests, bug reports and demos can show how gpukit behaves on any machine without owning it. The
+Switched on for a whole process by ``GPUKIT_FAKE_NVML=<machine description file>``, or the name
+of a machine shipped with gpukit (``GPUKIT_FAKE_NVML=server-8xA100-shared``; see
+:func:`bundled_machines`), so that tests, bug reports and demos can show how gpukit behaves on
+any machine without owning it. The
 fake implements the nvidia-ml-py functions gpukit calls, under their real names, and fails the
 way the real library fails: with real ``pynvml.NVMLError`` subclasses (``NotSupported`` for a
 reading the description gives as ``null``, ``LibraryNotFound`` from ``nvmlInit`` on a machine
@@ -31,8 +33,11 @@ the pids of a described machine are not processes of this one, so the fake also 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -64,21 +69,199 @@ def _error(name: str) -> pynvml.NVMLError:
     return error
 
 
+def bundled_machines() -> list[str]:
+    """The names of the machine descriptions shipped with gpukit, for ``GPUKIT_FAKE_NVML``.
+
+    >>> "server-8xA100-shared" in bundled_machines()
+    True
+    """
+    folder = resources.files("gpukit.gpus") / "machines"
+    return sorted(f.name[: -len(".json")] for f in folder.iterdir() if f.name.endswith(".json"))
+
+
+def _is_name(value: str) -> bool:
+    # A bare name is always a bundled machine, whatever files the current folder holds, so that
+    # a file someone left in a shared folder cannot stand in for it; a path says so with a
+    # folder separator or the .json suffix.
+    return "/" not in value and os.sep not in value and not value.endswith(".json")
+
+
+def _read_regular_file(path: str) -> str:
+    # O_NONBLOCK, then fstat: a FIFO or a device would otherwise make every command hang.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidArgumentError(
+                f"{ENV_VAR}={path} is not a regular file.",
+                hint="Point it at a JSON machine description file, or a bundled machine's name.",
+            )
+        return file.read().decode("utf-8")
+
+
+def _read(path: str | Path) -> str:
+    text = str(path)
+    if not _is_name(text):
+        return _read_regular_file(text)
+    if text not in bundled_machines():
+        raise InvalidArgumentError(
+            f"{ENV_VAR}={text} is neither a machine gpukit ships nor a path.",
+            hint=f"Use one of {', '.join(bundled_machines())}, or a path to a description "
+            f"file (./{text}.json).",
+        )
+    folder = resources.files("gpukit.gpus") / "machines"
+    return (folder / f"{text}.json").read_text(encoding="utf-8")
+
+
 def load_description(path: str | Path) -> dict[str, Any]:
-    """Read a machine description file, or say clearly why it cannot be used."""
+    """Read a machine description (a file, or a bundled machine's name), checked whole."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(_read(path))
+    except InvalidArgumentError:
+        raise
     except (OSError, ValueError) as exc:
         raise InvalidArgumentError(
             f"{ENV_VAR}={path} does not name a readable machine description ({exc}).",
             hint=f"Point {ENV_VAR} at a JSON machine description, or unset it for the real GPUs.",
         ) from exc
-    if not isinstance(data, dict) or not isinstance(data.get("gpus", []), list):
+    problems = check_description(data)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise InvalidArgumentError(
-            f"{ENV_VAR}={path} is not a machine description: it needs a 'gpus' list.",
-            hint="See the format in the gpukit.gpus.fake_nvml module docstring.",
+            f"{ENV_VAR}={path} is not a valid machine description: "
+            + "; ".join(problems[:5])
+            + more
+            + ".",
+            hint="Fix those fields; the format is in the gpukit.gpus.fake_nvml module docstring.",
         )
-    return data
+    description: dict[str, Any] = data  # an object: check_description found no problem
+    return description
+
+
+# -- the description's format, checked whole before anything reads it --------------------------
+
+_Check = Callable[[Any], str | None]  # None when the value is right, else what it should be
+
+
+def _whole(value: Any) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return None if ok else "a whole number, 0 or more"
+
+
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) else "a string"
+
+
+def _flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "true or false"
+
+
+def _capability(value: Any) -> str | None:
+    ok = isinstance(value, list) and len(value) == 2 and all(_whole(v) is None for v in value)
+    return None if ok else "a [major, minor] pair of whole numbers"
+
+
+def _or_null(check: _Check) -> _Check:
+    def nullable(value: Any) -> str | None:
+        wrong = None if value is None else check(value)
+        return None if wrong is None else f"{wrong}, or null"
+
+    return nullable
+
+
+def _list_of(check: _Check) -> _Check:
+    def items(value: Any) -> str | None:
+        if not isinstance(value, list) or any(check(v) is not None for v in value):
+            return f"a list of {check(object())} values"
+        return None
+
+    return items
+
+
+_PROCESS: dict[str, _Check] = {
+    "pid": _whole,
+    "user": _or_null(_text),
+    "name": _or_null(_text),
+    "used_memory": _or_null(_whole),
+}
+_READINGS: dict[str, _Check] = {
+    "uuid": _or_null(_text),
+    "name": _or_null(_text),
+    "memory_total": _or_null(_whole),
+    "memory_used": _or_null(_whole),
+    "memory_reserved": _or_null(_whole),
+}
+_MIG: dict[str, _Check] = {"mig_index": _whole, **_READINGS}
+_GPU: dict[str, _Check] = {
+    "index": _whole,
+    **_READINGS,
+    "pci_bus_id": _or_null(_text),
+    "utilization_gpu": _or_null(_whole),
+    "utilization_memory": _or_null(_whole),
+    "temperature_c": _or_null(_whole),
+    "power_usage_mw": _or_null(_whole),
+    "power_limit_mw": _or_null(_whole),
+    "compute_capability": _or_null(_capability),
+    "multiprocessor_count": _or_null(_whole),
+    "mig_mode": _or_null(_flag),
+    "nvml_error": _or_null(_text),
+}
+_MACHINE: dict[str, _Check] = {
+    "description": _text,
+    "units": _text,
+    "driver_version": _or_null(_text),
+    "cuda_driver_version": _or_null(_whole),
+    "nvml_error": _or_null(_text),
+    "unsupported_functions": _list_of(_text),
+    "cuda_fastest_first_order": _list_of(_whole),
+}
+# Lists of records, checked entry by entry: (fields, fields each entry must have).
+_RECORDS: dict[str, tuple[dict[str, _Check], frozenset[str]]] = {
+    "gpus": (_GPU, frozenset()),
+    "mig_devices": (_MIG, frozenset()),
+    "processes": (_PROCESS, frozenset({"pid"})),
+}
+_NESTED = {"": ("gpus",), "gpus": ("processes", "mig_devices"), "mig_devices": ("processes",)}
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_record(
+    record: Any, where: str, fields: dict[str, _Check], required: frozenset[str], level: str
+) -> list[str]:
+    label = where or "the description"
+    if not isinstance(record, dict):
+        return [f"{label} is {_kind(record)} {record!r:.40}, not an object ({{...}})"]
+    problems = [f"{label} has no {name!r}" for name in sorted(required - set(record))]
+    lists = _NESTED.get(level, ())
+    for key, value in record.items():
+        field = f"{where}.{key}" if where else key
+        if key in lists:
+            if not isinstance(value, list):
+                problems.append(f"{field} is {_kind(value)}, not a list")
+                continue
+            entry_fields, entry_required = _RECORDS[key]
+            for i, entry in enumerate(value):
+                problems += _check_record(entry, f"{field}[{i}]", entry_fields, entry_required, key)
+        elif key not in fields:
+            known = ", ".join(sorted([*fields, *lists]))
+            problems.append(f"{field} is not a field gpukit knows (known: {known})")
+        else:
+            wrong = fields[key](value)
+            if wrong is not None:
+                problems.append(f"{field} is {_kind(value)} {value!r:.40}, not {wrong}")
+    return problems
+
+
+def check_description(data: Any) -> list[str]:
+    """Every problem of a machine description, each naming its field; empty when it is valid.
+
+    >>> check_description({"gpus": [{"memory_total": "lots"}]})
+    ["gpus[0].memory_total is str 'lots', not a whole number, 0 or more, or null"]
+    """
+    problems = _check_record(data, "", _MACHINE, frozenset({"gpus"}), "")
+    return problems
 
 
 class FakeNvml:

@@ -24,7 +24,7 @@ from typing import Any
 
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
 
-SCHEMA = "gpukit.gpus.inventory/1"
+SCHEMA = "gpukit.inventory/1"
 """The ``schema`` field of :meth:`Inventory.to_json`; the number grows when a field changes."""
 
 

@@ -19,10 +19,12 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 from gpukit.errors import InvalidArgumentError, NoGpuAvailableError, UserLimitError
@@ -63,7 +65,8 @@ _UNITS = {
     "t": 2**40,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$", re.ASCII)
+_MAX_SIZE = 2**100  # far past any GPU, and still a float for messages
 
 
 def parse_size(value: int | float | str) -> int:
@@ -75,21 +78,34 @@ def parse_size(value: int | float | str) -> int:
     >>> parse_size("8GiB"), parse_size("500MB"), parse_size(1024)
     (8589934592, 500000000, 1024)
     """
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{value!r} is not a size.", hint='Use bytes or e.g. "8GiB".')
+    hint = 'Write a number of bytes or a size with a unit, e.g. "8GiB", "500MB".'
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidArgumentError(f"{_shown(value)} is not a memory size.", hint=hint)
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"{value!r} is not a memory size.", hint=hint)
+        number, unit = Fraction(value), ""
     else:
         match = _SIZE.match(value)
         if match is None or match.group(2).lower() not in _UNITS:
-            raise InvalidArgumentError(
-                f"Cannot read {value!r} as a memory size.",
-                hint='Write a number of bytes or a size with a unit, e.g. "8GiB", "500MB".',
-            )
-        number, unit = float(match.group(1)), match.group(2).lower()
+            raise InvalidArgumentError(f"Cannot read {_shown(value)} as a memory size.", hint=hint)
+        # Exact, not float: 400 digits are a (very large) number, not infinity.
+        number, unit = Fraction(match.group(1)), match.group(2).lower()
     if number < 0:
-        raise InvalidArgumentError(f"A memory size cannot be negative ({value!r}).")
-    return int(number * _UNITS[unit])
+        raise InvalidArgumentError(f"A memory size cannot be negative ({value!r}).", hint=hint)
+    size = int(number * _UNITS[unit])
+    if size > _MAX_SIZE:
+        raise InvalidArgumentError(
+            f"{_shown(value)} is more memory than any GPU has (gpukit refuses sizes past "
+            "2**100 bytes).",
+            hint='Write a size a GPU can have, e.g. "80GiB".',
+        )
+    return size
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _gib(n: int) -> str:
@@ -122,7 +138,11 @@ class Criteria:
         exclude: Iterable[int | str] = (),
     ) -> Criteria:
         """Criteria from user values, checked: sizes parsed, bounds in range."""
-        if max_util is not None and not 0 <= max_util <= 100:
+        if max_util is not None and (
+            isinstance(max_util, bool)
+            or not isinstance(max_util, (int, float))
+            or not 0 <= max_util <= 100  # also refuses nan
+        ):
             raise InvalidArgumentError(
                 f"max_util={max_util} is not a percentage.", hint="Use a value from 0 to 100."
             )
@@ -357,8 +377,12 @@ def pick(
     order: Order = "free",
     inventory: Inventory | None = None,
     claims: Mapping[str, Holder] | None = None,
+    all_gpus: bool = False,
 ) -> list[GPU]:
     """Choose ``n`` GPUs that meet the criteria, best first (most free memory, by default).
+
+    Reading the machine itself, it chooses only among the GPUs granted to this process by
+    ``CUDA_VISIBLE_DEVICES`` (or Slurm's ``SLURM_JOB_GPUS``), unless ``all_gpus=True``.
 
     ``min_free``: bytes or a size (``"8GiB"``); ``max_util``: percent; ``max_processes``: how
     many processes may already hold memory on it (default 0, or no limit when ``min_free`` is
@@ -377,8 +401,11 @@ def pick(
     )
     if inventory is None:
         from gpukit.gpus.inventory import inventory as read_inventory
+        from gpukit.gpus.visible import granted_inventory
 
         inventory = read_inventory()
+        if not all_gpus:
+            inventory = granted_inventory(inventory, n)
     if claims is not None:
         return choose(inventory, n, criteria, order=order, claims=claims)
     gpus = choose(inventory, n, criteria, order=order, claims=current_claims())

@@ -12,22 +12,25 @@ integers in that variable count in CUDA's own order, which is *fastest first* un
 whose GPUs differ, the two disagree, and the "GPU 0" of a training script is not nvidia-smi's
 GPU 0. This module says so instead of guessing silently.
 
-Nothing here imports torch: whether CUDA has started is asked of torch only when the program
-has already imported it.
+Nothing here imports torch: whether CUDA has started is asked of the CUDA driver library, and
+of torch only when the program has already imported it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import sys
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gpukit.errors import (
     CudaAlreadyInitializedError,
     InvalidArgumentError,
     NoDriverError,
+    NoGpuAvailableError,
     VisibleDevicesError,
 )
 
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 
 VAR = "CUDA_VISIBLE_DEVICES"
 ORDER_VAR = "CUDA_DEVICE_ORDER"
+SLURM_GPU_VARS = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+"""Slurm's lists of the GPUs (NVML indices) given to the step and to the job, in that order."""
 
 Entry = int | str
 
@@ -258,11 +263,47 @@ def physical_index(i: int, inventory: Inventory | None = None) -> int:
     return devices[i].nvml_index
 
 
+_CUDA_ERROR_NOT_INITIALIZED = 3
+_DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def _loaded_cuda_driver() -> Any:
+    """The CUDA driver library if this process has already loaded it, else ``None``.
+
+    Never loads it: ``RTLD_NOLOAD`` only finds a library that is already there.
+    """
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if noload is None:  # not Linux: CUDA's driver is not a shared object found this way
+        return None
+    try:
+        return ctypes.CDLL(_DRIVER_LIBRARY, mode=noload | os.RTLD_LAZY)
+    except OSError:
+        return None
+
+
+def _driver_started() -> bool:
+    """Whether the CUDA driver has been initialised (``cuInit``) in this process, by any route.
+
+    ``torch.cuda.is_available()`` and ``device_count()`` start the driver through
+    ``cudaGetDeviceCount`` while ``torch.cuda.is_initialized()`` stays False, and the driver reads
+    CUDA_VISIBLE_DEVICES only then. ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED until
+    ``cuInit`` ran, and starts nothing itself; any other answer (a count, or the error that
+    ``cuInit`` met) means the driver has read the variable already.
+    """
+    driver = _loaded_cuda_driver()
+    if driver is None:  # the driver is not even loaded, so nothing has started it
+        return False
+    count = ctypes.c_int(0)
+    return int(driver.cuDeviceGetCount(ctypes.byref(count))) != _CUDA_ERROR_NOT_INITIALIZED
+
+
 def _cuda_initialized() -> bool:
     # Importing torch here would cost seconds and cannot matter: if the program has not
     # imported torch, nothing in it can have started CUDA through torch.
     torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    return _driver_started()
 
 
 def _as_entry(item: object) -> Entry:
@@ -287,8 +328,10 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
     """Make only ``ids`` visible to CUDA in this process, numbered in PCI (nvidia-smi) order.
 
     Sets CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, so integer ids mean what
-    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once CUDA has
-    started here, where CUDA would silently ignore the change.
+    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once the CUDA
+    driver has started in this process, by any route (``torch.cuda.is_available()`` starts it
+    while ``torch.cuda.is_initialized()`` stays False), where CUDA would silently ignore the
+    change.
 
     >>> set_visible_devices("GPU-6513270e")       # a UUID, or a unique prefix of one
     'GPU-6513270e'
@@ -316,9 +359,108 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
         raise CudaAlreadyInitializedError(
             f"Cannot set {VAR}={value}: CUDA has already started in this process (with "
             f"{VAR}={current[0]}), so the change would be silently ignored.",
-            hint="Set it before the first CUDA call, or start a new process with it, e.g. "
+            hint="Set it before the first CUDA call (torch.cuda.is_available() is one; "
+            "gk.device and gk.try_gpu are not), or start a new process with it, e.g. "
             f"`gpukit run` or `{VAR}={value} python train.py`.",
         )
     os.environ[ORDER_VAR] = "PCI_BUS_ID"
     os.environ[VAR] = value
     return value
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The GPUs this process may choose among, and the variable that granted them."""
+
+    indices: tuple[int, ...]
+    """NVML (nvidia-smi) indices of the granted GPUs, in the variable's order."""
+    variable: str
+    """``CUDA_VISIBLE_DEVICES``, ``SLURM_STEP_GPUS`` or ``SLURM_JOB_GPUS``."""
+    value: str
+
+    def describe(self) -> str:
+        """``'CUDA_VISIBLE_DEVICES=4,5'``, for messages."""
+        return f"{self.variable}={self.value}"
+
+
+def _slurm_indices(name: str, raw: str, inv: Inventory) -> tuple[int, ...]:
+    indices: list[int] = []
+    for part in raw.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if match is None:
+            raise VisibleDevicesError(
+                f"{name}={raw} is not a list of GPU indices.",
+                hint=f"Unset {name}, or pass --all-gpus to choose among all GPUs.",
+            )
+        lo = int(match.group(1))
+        indices += range(lo, int(match.group(2) or lo) + 1)
+    known = {g.index for g in inv.gpus}
+    unknown = [i for i in indices if i not in known]
+    if unknown:
+        raise VisibleDevicesError(
+            f"{name}={raw} names GPU {', '.join(map(str, unknown))}, which NVML does not show "
+            f"on this machine (it shows {', '.join(map(str, sorted(known))) or 'none'}).",
+            hint="Slurm numbers GPUs as this node's gres.conf does; when it differs from "
+            "nvidia-smi, set CUDA_VISIBLE_DEVICES to the job's GPU UUIDs, or pass --all-gpus.",
+        )
+    return tuple(dict.fromkeys(indices))
+
+
+def granted_gpus(inv: Inventory, env: Mapping[str, str] | None = None) -> Grant | None:
+    """The GPUs this process was granted, as NVML indices; None when nothing restricts it.
+
+    ``CUDA_VISIBLE_DEVICES`` (set by a scheduler or by the user) decides when it is set; else
+    Slurm's ``SLURM_STEP_GPUS``, then ``SLURM_JOB_GPUS``. Its entries map to NVML GPUs
+    exactly: UUIDs (and unique UUID prefixes) by UUID, MIG UUIDs to their GPU, indices by PCI
+    order when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or when every GPU is the same model (CUDA's
+    order is then PCI order). Indices on a machine of mixed GPUs in CUDA's default order are
+    refused with a VisibleDevicesError: CUDA's fastest-first order cannot be known for sure.
+
+    >>> granted_gpus(inv, {"CUDA_VISIBLE_DEVICES": "4"}).indices     # doctest: +SKIP
+    (4,)
+    """
+    env = os.environ if env is None else env
+    value = env.get(VAR)
+    if value is None:
+        for name in SLURM_GPU_VARS:
+            raw = env.get(name)
+            if raw and raw.strip().upper() not in ("N/A", "NONE"):
+                return Grant(_slurm_indices(name, raw, inv), name, raw)
+        return None
+    entries = parse_visible_devices(value) or ()
+    order = env.get(ORDER_VAR, "FASTEST_FIRST")
+    if (
+        order != "PCI_BUS_ID"
+        and _gpus_differ(inv.gpus)
+        and any(isinstance(e, int) for e in entries)
+    ):
+        raise VisibleDevicesError(
+            f"{VAR}={value} counts GPUs in CUDA's fastest-first order, and this machine's GPUs "
+            f"differ ({', '.join(sorted({g.name for g in inv.gpus}))}), so which GPU each "
+            "number names cannot be known for sure.",
+            hint=f"Set {ORDER_VAR}=PCI_BUS_ID (then the numbers are nvidia-smi's), or list the "
+            "GPUs by UUID (`gpukit list`), or pass --all-gpus to choose among all of them.",
+        )
+    view = resolve(value, "PCI_BUS_ID", inv)
+    return Grant(tuple(dict.fromkeys(d.nvml_index for d in view.devices or ())), VAR, value)
+
+
+def granted_inventory(inv: Inventory, n: int, env: Mapping[str, str] | None = None) -> Inventory:
+    """``inv`` with only the granted GPUs (all of them when nothing restricts this process).
+
+    Raises NoGpuAvailableError when fewer than ``n`` GPUs are granted, saying which variable
+    granted which GPUs, and VisibleDevicesError when the grant cannot be mapped exactly.
+    """
+    grant = granted_gpus(inv, env)
+    if grant is None:
+        return inv
+    gpus = tuple(g for g in inv.gpus if g.index in grant.indices)
+    if isinstance(n, int) and len(gpus) < n:  # a bad n is refused by the chooser, by name
+        which = ", ".join(f"GPU {g.index}" for g in gpus) or "none of this machine's GPUs"
+        raise NoGpuAvailableError(
+            f"Asked for {n} GPU{'s' if n != 1 else ''}: {grant.describe()} grants this process "
+            f"{len(gpus)} ({which}).",
+            hint=f"Ask for at most {len(gpus)}, ask the scheduler for more, or pass --all-gpus "
+            "(all_gpus=True) to choose among all of the machine's GPUs.",
+        )
+    return replace(inv, gpus=gpus)

@@ -64,6 +64,21 @@ class DataParallel(nn.Module):
         min_chunk: int = 1,
     ) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise InvalidArgumentError(
+                f"DataParallel wraps a module (an nn.Module), and was given a "
+                f"{type(module).__name__}: {module!r:.60}.",
+                hint="Pass the model itself, e.g. gk.DataParallel(model, device_ids=['cpu'] * 2); "
+                "a function can be wrapped in an nn.Module whose forward calls it.",
+            )
+        for name, value in (("dim", dim), ("min_chunk", min_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(
+                    f"DataParallel({name}={value!r}): {name} is a whole number, not a "
+                    f"{type(value).__name__}.",
+                    hint="dim=0 splits batches along their first dimension; min_chunk=1 is "
+                    "the default.",
+                )
         if device_ids is None:
             devices = try_all_gpus()
         else:

@@ -1,0 +1,220 @@
+"""Atomic writes: a checkpoint file or folder is the old one or the new one, never half of one.
+
+A save goes to a temporary file next to the target, is flushed and fsynced, renamed over the
+target, and the folder is fsynced, so a crash at any moment leaves the old file or the new one.
+A folder is built the same way beside its target and swapped in as a whole. A process killed
+mid-save leaves its temporary file or folder behind, named ``.<target>.<pid>.<random>.gpukit-tmp``;
+the next save of the same target removes those whose process is gone (and that belong to this
+user).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import io
+import os
+import re
+import secrets
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpukit.errors import CheckpointError
+
+__all__ = ["TMP_SUFFIX", "atomic_folder", "atomic_write", "write_durable"]
+
+TMP_SUFFIX = ".gpukit-tmp"
+
+
+def _fsync_folder(folder: Path) -> None:
+    # Makes the rename itself durable; not possible (nor needed) on Windows.
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def _remove_stale(target: Path) -> None:
+    """Remove temporary files and folders of earlier saves of ``target`` whose process died."""
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]+{re.escape(TMP_SUFFIX)}$")
+    for entry in target.parent.iterdir():
+        match = pattern.match(entry.name)
+        if not match or _process_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            info = entry.lstat()
+            if info.st_uid != os.geteuid():  # another user's: never touched
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(entry, ignore_errors=True)  # does not follow links inside
+            else:
+                entry.unlink()
+
+
+def _create_temp(target: Path) -> tuple[Path, int]:
+    while True:
+        name = f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        tmp = target.parent / name
+        try:
+            # 0o666 minus the umask: the file gets the permissions torch.save would give it.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        return tmp, fd
+
+
+class _WriteBehind(io.RawIOBase):
+    """A file wrapper that starts the disk writing while the serializer is still producing.
+
+    Without it the whole checkpoint sits in the page cache until the final fsync, which then
+    waits for all of it; asking the kernel to start writeback every few dozen MiB overlaps the
+    disk with serialization, so the fsync that makes the save durable waits only for the tail.
+    """
+
+    _EVERY = 32 << 20
+
+    def __init__(self, handle: BinaryIO) -> None:
+        super().__init__()
+        self._handle = handle
+        self._fd = handle.fileno()
+        self._written = 0
+        self._started = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n: int = self._handle.write(data)
+        self._written += n
+        if self._written - self._started >= self._EVERY:
+            self._handle.flush()
+            # POSIX_FADV_DONTNEED on dirty pages starts their writeback without waiting for it.
+            os.posix_fadvise(self._fd, self._started, self._written - self._started, _DONTNEED)
+            self._started = self._written
+        return n
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
+
+
+def atomic_write(target: Path, write: Callable[[BinaryIO, Path], None]) -> None:
+    """Run ``write`` on a temporary file next to ``target``, then put it in place atomically.
+
+    ``write`` gets the open file and its path (for writers that open the path themselves; the
+    fsync through the open handle covers what they wrote, as it is the same file).
+    """
+    folder = target.parent
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"Cannot save {target}: the folder {folder} does not exist.",
+            hint="Create it first, for example with Path(...).mkdir(parents=True).",
+        )
+    _remove_stale(target)
+    tmp, fd = _create_temp(target)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            if hasattr(os, "posix_fadvise"):
+                write(_WriteBehind(handle), tmp)  # type: ignore[arg-type]
+            else:
+                write(handle, tmp)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_folder(folder)
+
+
+def write_durable(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Create ``path`` (which must not exist), write it with ``write`` and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(fd, "wb") as handle:
+        write(_WriteBehind(handle) if hasattr(os, "posix_fadvise") else handle)  # type: ignore[arg-type]
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (
+        errno.ENOSYS,
+        errno.EINVAL,
+        errno.ENOTSUP,
+    ):  # an old kernel, or a file system without it
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def atomic_folder(target: Path, fill: Callable[[Path], None]) -> None:
+    """Build a folder with ``fill`` next to ``target``, then put it in place as a whole.
+
+    ``fill`` gets an empty folder to write into. An existing ``target`` is swapped with the new
+    folder in one step (Linux ``renameat2``), then removed, so a crash at any moment leaves the
+    old folder or the new one. Where the swap is not supported, the old folder is moved aside
+    first; a crash between the two renames then leaves it under a ``.gpukit-tmp`` name.
+    """
+    parent = target.parent
+    _remove_stale(target)
+    while True:
+        tmp = parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            tmp.mkdir()
+        except FileExistsError:
+            continue
+        break
+    try:
+        fill(tmp)
+        _fsync_folder(tmp)
+        if not target.exists():
+            os.rename(tmp, target)
+        elif _exchange(tmp, target):
+            shutil.rmtree(tmp)  # now the old folder
+        else:
+            aside = parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            os.rename(target, aside)
+            os.rename(tmp, target)
+            shutil.rmtree(aside)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_folder(parent)

@@ -1,0 +1,184 @@
+"""Which checkpoint a path holds, recognised by content: one file, a sharded folder, or DCP.
+
+A path may be a checkpoint file (torch.save or safetensors, whatever its suffix), an index file
+(JSON with a ``weight_map``), a DCP ``.metadata`` file, or a folder holding any of these. A folder
+is opened without reading its tensors: what :func:`open_checkpoint` returns for it is a
+:class:`FolderCheckpoint` whose ``content`` has the saved structure with shape-only (``meta``)
+tensors, and which reads the real tensors on demand, one shard at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_dcp, set_path
+from gpukit.checkpoint.io import SAFETENSORS, TORCH, RawCheckpoint, file_format, gpukit_metadata
+from gpukit.checkpoint.io import read as read_file
+from gpukit.checkpoint.paths import check_input
+from gpukit.checkpoint.sharded import INDEX_NAMES, ShardedFolder, open_index
+from gpukit.errors import CheckpointError
+
+__all__ = ["SHARDED_SAFETENSORS", "FolderCheckpoint", "StoredObject", "open_checkpoint"]
+
+SHARDED_SAFETENSORS = "sharded safetensors"
+SHARDED_TORCH = "sharded torch"
+DCP = "dcp"
+
+
+@dataclass
+class FolderCheckpoint:
+    """A checkpoint folder, opened: its structure (shape-only tensors) and a way to read it."""
+
+    path: Path
+    format: str
+    content: Any
+    source: ShardedFolder | DcpFolder
+    files: dict[str, int]  # every file of the checkpoint, the index last, with its size
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source_devices: list[str] = field(default_factory=list)
+    stored_key: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def index(self) -> str:
+        """The name of the file that lists the others (an index JSON, DCP's ``.metadata``)."""
+        return list(self.files)[-1]
+
+    @property
+    def size(self) -> int:
+        """Bytes of all the files that make up the checkpoint."""
+        return sum(self.files.values())
+
+    def saved_device(self, tensor: torch.Tensor) -> str | None:
+        """The device the tensors were saved from, when every one came from the same."""
+        return self.source_devices[0] if len(self.source_devices) == 1 else None
+
+    def key_of(self, tensor: torch.Tensor) -> str:
+        """The stored key of one of ``content``'s shape-only tensors."""
+        return self.stored_key[id(tensor)]
+
+    def read_into(self, targets: Mapping[str, list[torch.Tensor]], *, trust: bool) -> None:
+        """Copy each stored key's tensor into its targets, one shard in memory at a time."""
+        self.source.read_into(targets, trust=trust)
+
+    def read_all(self, *, trust: bool) -> Any:
+        """The saved structure with real tensors on the CPU (the whole checkpoint in memory)."""
+        return self.source.read_all(trust=trust)
+
+
+class StoredObject:
+    """A non-tensor entry of a checkpoint folder (an epoch, optimizer settings), not read yet."""
+
+    def __repr__(self) -> str:
+        return "object (not read)"
+
+
+def _shape_only(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _sharded(index: Path, trust: bool) -> FolderCheckpoint:
+    folder = open_index(index, trust=trust)
+    content: dict[str, torch.Tensor] = {}
+    stored: dict[int, str] = {}
+    for key, (shape, dtype) in folder.tensors.items():
+        content[key] = _shape_only(shape, dtype)
+        stored[id(content[key])] = key
+    files = {shard.path.name: shard.size for shard in folder.shards}
+    files[index.name] = index.stat().st_size
+    meta = gpukit_metadata({}, folder.shards[0].metadata) if folder.shards else {}
+    fmt = SHARDED_SAFETENSORS if folder.format == SAFETENSORS else SHARDED_TORCH
+    devices = [str(d) for d in meta.get("devices", [])] if isinstance(meta, dict) else []
+    return FolderCheckpoint(index.parent, fmt, content, folder, files, meta, devices, stored)
+
+
+def _dcp(folder: Path) -> FolderCheckpoint:
+    found = open_dcp(folder)
+    content: dict[str, Any] = {}
+    stored: dict[int, str] = {}
+    tensors = found.tensors
+    for key in found.metadata.state_dict_metadata:
+        if key in tensors:
+            value: Any = _shape_only(*tensors[key])
+            stored[id(value)] = key
+        else:
+            value = StoredObject()
+        set_path(content, found.path_of(key), value)
+    files = dict(found.files)
+    files[METADATA_NAME] = (folder / METADATA_NAME).stat().st_size
+    return FolderCheckpoint(folder, DCP, content, found, files, {}, [], stored)
+
+
+def _is_index(path: Path) -> bool:
+    try:
+        with path.open("rb") as handle:
+            if handle.read(1) != b"{":
+                return False
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("weight_map"), dict)
+
+
+def _folder(folder: Path, trust: bool) -> FolderCheckpoint | RawCheckpoint:
+    if is_dcp_folder(folder):
+        return _dcp(folder)
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    indexes = [name for name in names if name.endswith(".json") and _is_index(folder / name)]
+    # Hugging Face's loaders prefer safetensors when a folder has both layouts.
+    for preferred in INDEX_NAMES:
+        if preferred in indexes:
+            return _sharded(folder / preferred, trust)
+    if len(indexes) == 1:
+        return _sharded(folder / indexes[0], trust)
+    if len(indexes) > 1:
+        raise CheckpointError(
+            f"{folder} holds several checkpoint indexes ({', '.join(indexes)}).",
+            hint="Pass the index file of the checkpoint you mean.",
+        )
+    singles = []
+    for name in names:
+        path = folder / name
+        info = path.lstat()
+        if stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode):
+            try:
+                if file_format(path) in (SAFETENSORS, TORCH):
+                    singles.append(name)
+            except OSError:
+                continue
+    if len(singles) == 1:
+        return read_file(folder / singles[0], target=torch.device("cpu"), trust=trust)
+    if singles:
+        raise CheckpointError(
+            f"{folder} holds several checkpoint files ({', '.join(singles[:6])}) and no index "
+            "that joins them.",
+            hint="Pass the file you mean.",
+        )
+    raise CheckpointError(
+        f"{folder} holds no checkpoint: no index (*.index.json), no DCP .metadata, no "
+        "checkpoint file.",
+        hint="Pass the folder that holds the checkpoint, or the checkpoint file itself.",
+    )
+
+
+def open_checkpoint(
+    path: Path, *, target: torch.device | None, trust: bool
+) -> RawCheckpoint | FolderCheckpoint:
+    """Open whatever checkpoint ``path`` is; a single file is read whole, onto ``target``."""
+    info = check_input(path)
+    if stat.S_ISDIR(info.st_mode):
+        found = _folder(path, trust)
+        if isinstance(found, RawCheckpoint) and target is not None and target.type != "cpu":
+            return read_file(found.path, target=target, trust=trust)
+        return found
+    if path.name == METADATA_NAME and is_dcp_folder(path.parent):
+        return _dcp(path.parent)
+    if _is_index(path):
+        return _sharded(path, trust)
+    return read_file(path, target=target, trust=trust)

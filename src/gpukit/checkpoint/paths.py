@@ -1,0 +1,194 @@
+"""Checking checkpoint paths before any work, and turning filesystem errors into typed errors.
+
+Every checkpoint input and output goes through here first, so that a path mistake (a missing
+or read-only folder, a folder where a file is wanted, a FIFO that would block a read forever)
+is one :class:`~gpukit.errors.CheckpointError` that names the path, found before anything is
+read or written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from gpukit.errors import CheckpointError
+
+__all__ = ["check_input", "check_output_file", "check_output_folder", "fs_error", "kind_of"]
+
+_KINDS = (
+    (stat.S_ISDIR, "folder"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISLNK, "symbolic link"),
+)
+
+
+def _access(path: Path, mode: int) -> bool:
+    # The effective user's rights: those the open() that follows will be judged by.
+    if os.access in os.supports_effective_ids:
+        return os.access(path, mode, effective_ids=True)
+    return os.access(path, mode)
+
+
+def kind_of(mode: int) -> str:
+    """``"file"``, ``"folder"``, ``"FIFO (named pipe)"``... for an ``st_mode``."""
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "file" if stat.S_ISREG(mode) else "special file"
+
+
+def fs_error(path: Path, exc: OSError, doing: str) -> CheckpointError:
+    """A CheckpointError for an OSError met while ``doing`` (``"read"``...) to ``path``."""
+    reasons = {
+        errno.ENOENT: (
+            "does not exist",
+            "Check the path (relative paths start from the current folder).",
+        ),
+        errno.EACCES: (
+            "permission denied",
+            "Check the permissions (ls -l), or use a path you can access.",
+        ),
+        errno.EPERM: (
+            "operation not permitted",
+            "Check the permissions (ls -l), or use a path you can access.",
+        ),
+        errno.EROFS: ("read-only file system", "Write somewhere else."),
+        errno.ENOSPC: (
+            "no space left on the device",
+            "Free some space (df -h), or write somewhere else.",
+        ),
+        errno.EDQUOT: ("disk quota exceeded", "Free some space, or write somewhere else."),
+        errno.ENOTDIR: ("a part of the path is a file, not a folder", "Check the path."),
+        errno.EISDIR: ("it is a folder", "Pass a file path."),
+        errno.ENAMETOOLONG: ("the name is too long", "Use a shorter path."),
+        errno.ELOOP: ("too many symbolic links", "Check the path."),
+    }
+    reason, hint = reasons.get(
+        exc.errno or 0, (exc.strerror or type(exc).__name__, "Check the path and the disk.")
+    )
+    return CheckpointError(f"Cannot {doing} {path}: {reason}.", hint=hint)
+
+
+def check_input(path: Path) -> os.stat_result:
+    """The ``stat`` of an existing, readable checkpoint file or folder; anything else refused.
+
+    A FIFO, socket or device is refused without being opened (reading a FIFO with no writer
+    blocks forever), and a file is opened once, non-blocking, to prove it can be read.
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"No checkpoint at {path}: the file does not exist.",
+            hint="Check the path (relative paths start from the current folder).",
+        ) from None
+    except OSError as exc:
+        raise fs_error(path, exc, "read") from None
+    if stat.S_ISDIR(info.st_mode):
+        if not _access(path, os.R_OK | os.X_OK):
+            raise fs_error(path, PermissionError(errno.EACCES, "denied"), "read the folder")
+        return info
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(
+            f"{path} is a {kind_of(info.st_mode)}, not a checkpoint file.",
+            hint="Pass a checkpoint file (*.pt, *.safetensors, ...) or a checkpoint folder.",
+        )
+    try:
+        # O_NONBLOCK: should the path have become a FIFO since the stat, opening cannot hang.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise fs_error(path, exc, "read") from None
+    try:
+        opened = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(opened.st_mode):
+        raise CheckpointError(
+            f"{path} is a {kind_of(opened.st_mode)}, not a checkpoint file.",
+            hint="Pass a checkpoint file (*.pt, *.safetensors, ...) or a checkpoint folder.",
+        )
+    return opened
+
+
+def _check_parent(path: Path) -> None:
+    folder = path.parent
+    try:
+        info = folder.stat()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"Cannot save {path}: the folder {folder} does not exist.",
+            hint="Create it first, for example with Path(...).mkdir(parents=True).",
+        ) from None
+    except OSError as exc:
+        raise fs_error(folder, exc, "write to") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(
+            f"Cannot save {path}: {folder} is a {kind_of(info.st_mode)}, not a folder.",
+            hint="Check the path.",
+        )
+    if not _access(folder, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"Cannot save {path}: the folder {folder} is not writable by this user.",
+            hint="Save somewhere you can write, or fix the folder's permissions.",
+        )
+
+
+def check_output_file(path: Path) -> None:
+    """Refuse, before any work, a single-file save that cannot succeed."""
+    _check_parent(path)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise fs_error(path, exc, "write to") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(
+            f"Cannot save {path}: a folder of that name exists, and the suffix "
+            f"{path.suffix or '(none)'} asks for a single file.",
+            hint="Pick another file name, or save a sharded folder under a name without a suffix.",
+        )
+    if not stat.S_ISREG(info.st_mode) and not stat.S_ISLNK(info.st_mode):
+        raise CheckpointError(
+            f"Cannot save {path}: it is a {kind_of(info.st_mode)}, not a file.",
+            hint="Pick another file name.",
+        )
+
+
+def check_output_folder(path: Path, replaceable: Callable[[str], bool]) -> None:
+    """Refuse, before any work, a folder save that cannot succeed or would delete other files.
+
+    An existing folder is replaced as a whole, so it may hold only names in ``replaceable``
+    (the files a checkpoint layout writes) that ``replaceable`` accepts.
+    """
+    _check_parent(path)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise fs_error(path, exc, "write to") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(
+            f"Cannot save a checkpoint folder at {path}: a {kind_of(info.st_mode)} of that name "
+            "exists.",
+            hint="Pick another name, or give the path a suffix (.safetensors, .pt) for one file.",
+        )
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        raise fs_error(path, exc, "read the folder") from None
+    others = [name for name in names if not replaceable(name)]
+    if others:
+        shown = ", ".join(others[:6]) + (" ..." if len(others) > 6 else "")
+        raise CheckpointError(
+            f"Cannot save a checkpoint folder at {path}: the folder exists and holds other files "
+            f"({shown}), which replacing it would delete.",
+            hint="Save into a new folder, or move those files away first.",
+        )

@@ -1,0 +1,114 @@
+"""Which checkpoint value goes into which model tensor: matched keys, shapes, tied weights.
+
+Nothing is read or loaded here: the plan is made from names and shapes (real tensors, or the
+shape-only tensors of a folder), so a checkpoint that does not fit is refused before anything
+is loaded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpukit.checkpoint.keys import clean_keys, match_keys
+
+__all__ = ["LoadPlan", "plan_load", "tied_groups"]
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    if tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() == 0:
+        return None  # no storage to share
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+    )
+
+
+def tied_groups(state: Mapping[str, Any]) -> dict[str, str]:
+    """Keys whose tensor is the very same view as an earlier key's: ``{later: first}``."""
+    first: dict[tuple[Any, ...], str] = {}
+    tied: dict[str, str] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        storage = _storage_key(value)
+        if storage is None:
+            continue
+        if storage in first:
+            tied[key] = first[storage]
+        else:
+            first[storage] = key
+    return tied
+
+
+@dataclass
+class LoadPlan:
+    """What goes where: model key -> the checkpoint's value, and the report's lists."""
+
+    renamed: OrderedDict[str, Any]
+    missing: list[str]
+    unexpected: list[str]
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    prefixes: list[str]
+    tied: dict[str, str]
+    cleaned: OrderedDict[str, Any]
+    match_prefixes: list[str]
+
+
+def plan_load(state: Mapping[str, Any], model_state: Mapping[str, Any], file_tied: Any) -> LoadPlan:
+    """Match a checkpoint's keys onto a model's: what loads where, and what does not fit.
+
+    ``file_tied`` is what gk.save recorded as stored once (``{dropped: kept}``), if anything.
+    """
+    cleaned, prefixes = clean_keys(state)
+    match = match_keys(list(cleaned), list(model_state))
+    renamed: OrderedDict[str, Any] = OrderedDict()
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for key, value in cleaned.items():
+        name = match.mapping.get(key)
+        if name is None:
+            continue
+        wanted = model_state[name]
+        mis_shaped = isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor)
+        if mis_shaped and value.shape != wanted.shape:
+            mismatched[name] = (tuple(value.shape), tuple(wanted.shape))
+            continue
+        renamed[name] = value
+    # Tied weights: stored once. A key the model ties to a loaded one gets it through the tie;
+    # one that gk.save recorded as a copy of another is filled from that one.
+    tied: dict[str, str] = {}
+    for later, first in tied_groups(model_state).items():
+        source = first if first in renamed else later if later in renamed else None
+        other = later if source == first else first
+        if source is not None and other not in renamed and other not in mismatched:
+            tied[other] = source
+    if isinstance(file_tied, Mapping):
+        for dropped, kept in file_tied.items():
+            name, source = match.mapping.get(str(dropped), str(dropped)), match.mapping.get(kept)
+            if (
+                name in model_state
+                and name not in renamed
+                and source is not None
+                and source in renamed
+            ):
+                tied.setdefault(name, source)
+    for name, source in tied.items():
+        renamed[name] = renamed[source]
+    return LoadPlan(
+        renamed,
+        [k for k in match.missing if k not in mismatched and k not in tied],
+        match.unexpected,
+        mismatched,
+        prefixes + match.prefixes,
+        tied,
+        cleaned,
+        match.prefixes,
+    )

@@ -1,0 +1,357 @@
+"""Sharded checkpoint folders in Hugging Face's layout: an index JSON and one file per shard.
+
+The index (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``) holds
+``{"metadata": {"total_size": N}, "weight_map": {key: shard file name}}``; the shards are named
+``model-00001-of-00003.safetensors`` (``pytorch_model-00001-of-00003.bin``). Every shard is
+checked before anything is loaded: a missing or cut-short shard, or one whose keys disagree with
+the index, is a :class:`~gpukit.errors.CheckpointError` naming the files. Loading then reads one
+shard at a time (safetensors memory-mapped) straight into the model's tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpukit.checkpoint.paths import check_input, fs_error
+from gpukit.checkpoint.safetensors_format import DTYPES, write_safetensors
+from gpukit.errors import CheckpointError, InvalidArgumentError
+
+__all__ = [
+    "INDEX_NAMES",
+    "SAFETENSORS_INDEX",
+    "ShardedFolder",
+    "open_index",
+    "parse_size",
+    "plan_shards",
+    "shard_names",
+    "write_shards",
+]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+INDEX_NAMES = {SAFETENSORS_INDEX: "safetensors", "pytorch_model.bin.index.json": "torch"}
+_FROM_CODE = {code: dtype for dtype, code in DTYPES.items()}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Bytes from ``2_000_000``, ``"2GB"`` (10⁹ bytes, as Hugging Face counts) or ``"500MiB"``.
+
+    >>> parse_size("500MiB")
+    524288000
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (found := _SIZE.match(value)):
+        number, unit = found.groups()
+        if unit.upper() not in _UNITS:
+            raise InvalidArgumentError(
+                f"max_shard_size {value!r}: unknown unit {unit!r}.",
+                hint="Use bytes or a size such as '2GB', '500MB' or '512MiB'.",
+            )
+        size = int(Fraction(number) * _UNITS[unit.upper()])  # exact, however many digits
+    else:
+        raise InvalidArgumentError(
+            f"max_shard_size must be a number of bytes or a size such as '2GB', not {value!r}.",
+            hint="Use bytes or a size such as '2GB', '500MB' or '512MiB'.",
+        )
+    if size <= 0:
+        raise InvalidArgumentError(
+            f"max_shard_size must be positive, not {value!r}.",
+            hint="Use a size such as '2GB'.",
+        )
+    return size
+
+
+@dataclass
+class Shard:
+    """One shard file: the keys the index assigns to it and, once read, what it holds."""
+
+    path: Path
+    keys: list[str]
+    size: int = 0
+    tensors: dict[str, tuple[list[int], torch.dtype]] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ShardedFolder:
+    """A checked sharded folder: its index, its shards, and every tensor's shape and dtype."""
+
+    folder: Path
+    index: Path
+    format: str
+    shards: list[Shard]
+    total_size: int | None
+
+    @property
+    def tensors(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        """Every stored key with its shape and dtype, in the index's order of shards."""
+        found: dict[str, tuple[list[int], torch.dtype]] = {}
+        for shard in self.shards:
+            found.update(shard.tensors)
+        return found
+
+    def read_into(self, targets: Mapping[str, list[torch.Tensor]], *, trust: bool) -> None:
+        """Copy each stored tensor into its targets, one shard in memory at a time."""
+        for shard in self.shards:
+            wanted = [key for key in shard.keys if key in targets]
+            if wanted:
+                _read_shard(self, shard, wanted, targets, trust)
+
+    def read_all(self, *, trust: bool) -> dict[str, torch.Tensor]:
+        """Every stored tensor, on the CPU (the whole checkpoint in memory)."""
+        tensors = self.tensors
+        out = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in tensors.items()}
+        self.read_into({key: [value] for key, value in out.items()}, trust=trust)
+        return out
+
+
+def _bad_index(index: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{index} is not a usable checkpoint index: {what}.",
+        hint='An index holds {"weight_map": {key: shard file name}} next to its shards; '
+        "save or download the folder again.",
+    )
+
+
+def open_index(index: Path, *, trust: bool) -> ShardedFolder:
+    """Read and check an index file and every shard it names (headers only for safetensors)."""
+    try:
+        data = json.loads(index.read_bytes())
+    except OSError as exc:
+        raise fs_error(index, exc, "read") from None
+    except ValueError as exc:
+        raise _bad_index(index, f"it is not JSON ({exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise _bad_index(index, "it has no weight_map")
+    by_file: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        # Shard names are plain file names next to the index: never a path elsewhere.
+        if (
+            not isinstance(name, str)
+            or not name
+            or "/" in name
+            or "\\" in name
+            or name
+            in {
+                ".",
+                "..",
+            }
+        ):
+            raise _bad_index(index, f"{key!r} points at {name!r}, not a file next to the index")
+        by_file.setdefault(name, []).append(str(key))
+    meta = data.get("metadata")
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    fmt = INDEX_NAMES.get(index.name) or _format_of_names(list(by_file))
+    shards = [Shard(index.parent / name, keys) for name, keys in sorted(by_file.items())]
+    folder = ShardedFolder(
+        index.parent, index, fmt, shards, total if isinstance(total, int) else None
+    )
+    for shard in shards:
+        shard.size = _check_shard_file(folder, shard)
+        if fmt == "safetensors":
+            shard.tensors, shard.metadata = _safetensors_header(shard.path, shard.size)
+        else:
+            shard.tensors = {
+                key: (list(value.shape), value.dtype)
+                for key, value in _load_torch_shard(shard.path, trust).items()
+                if isinstance(value, torch.Tensor)
+            }
+        lacking = [key for key in shard.keys if key not in shard.tensors]
+        if lacking:
+            shown = ", ".join(repr(key) for key in lacking[:4])
+            more = f" and {len(lacking) - 4} more" if len(lacking) > 4 else ""
+            raise CheckpointError(
+                f"{shard.path} does not match {index}: the index puts {shown}{more} in that "
+                "shard, and the shard does not hold them.",
+                hint="The folder mixes files of different saves; save or download it again.",
+            )
+    return folder
+
+
+def _format_of_names(names: list[str]) -> str:
+    return "safetensors" if all(name.endswith(".safetensors") for name in names) else "torch"
+
+
+def _check_shard_file(folder: ShardedFolder, shard: Shard) -> int:
+    if not shard.path.exists() and not shard.path.is_symlink():
+        raise CheckpointError(
+            f"{shard.path} is missing: {folder.index} lists it as a shard of this checkpoint.",
+            hint="Copy or download the whole folder again; every shard is needed.",
+        )
+    return check_input(shard.path).st_size
+
+
+def _cut_short(path: Path, size: int, needed: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path} ({size} bytes) is a safetensors shard cut short: its header needs {needed} bytes.",
+        hint="The shard is truncated (an interrupted copy or download); fetch it again.",
+    )
+
+
+def _safetensors_header(
+    path: Path, size: int
+) -> tuple[dict[str, tuple[list[int], torch.dtype]], dict[str, str]]:
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise _cut_short(path, size, 8)
+            (length,) = struct.unpack("<Q", head)
+            if 8 + length > size:
+                raise _cut_short(path, size, 8 + length)
+            header = json.loads(handle.read(length))
+    except OSError as exc:
+        raise fs_error(path, exc, "read") from None
+    except ValueError:
+        raise CheckpointError(
+            f"{path} is not a safetensors file: its header is not JSON.",
+            hint="The shard is corrupted or of another format; fetch it again.",
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a malformed safetensors header.", hint="Fetch it again.")
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, tuple[list[int], torch.dtype]] = {}
+    end = 0
+    for key, info in header.items():
+        try:
+            dtype = _FROM_CODE[info["dtype"]]
+            shape = [int(n) for n in info["shape"]]
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise CheckpointError(
+                f"{path} has a malformed or unsupported safetensors entry for {key!r}.",
+                hint="Fetch the shard again, or convert it with safetensors' own tools.",
+            ) from None
+        tensors[key] = (shape, dtype)
+    if 8 + length + end > size:
+        raise _cut_short(path, size, 8 + length + end)
+    return tensors, {str(k): str(v) for k, v in dict(metadata).items()}
+
+
+def _load_torch_shard(path: Path, trust: bool) -> dict[str, Any]:
+    from gpukit.checkpoint.io import TORCH, unreadable_error, untrusted_error
+
+    try:
+        # mmap: the shard's tensors stay on disk until copied, one shard at a time.
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust)
+    except Exception as exc:
+        if not trust and "Weights only load failed" in str(exc):
+            raise untrusted_error(path, exc) from None
+        raise unreadable_error(path, TORCH, exc) from None
+    if not isinstance(loaded, dict):
+        raise CheckpointError(
+            f"{path} holds a {type(loaded).__name__}, not a shard (a dict of tensors).",
+            hint="The folder mixes files of different kinds; save or download it again.",
+        )
+    return loaded
+
+
+def _read_shard(
+    folder: ShardedFolder,
+    shard: Shard,
+    wanted: list[str],
+    targets: Mapping[str, list[torch.Tensor]],
+    trust: bool,
+) -> None:
+    with torch.no_grad():
+        if folder.format == "safetensors":
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(shard.path), framework="pt", device="cpu") as handle:
+                    for key in wanted:
+                        value = handle.get_tensor(key)
+                        for target in targets[key]:
+                            target.copy_(value)
+                        del value
+            except CheckpointError:
+                raise
+            except Exception as exc:  # safetensors raises its own (Rust) error types
+                raise CheckpointError(
+                    f"{shard.path} cannot be read ({exc}).",
+                    hint="The shard is probably corrupted; fetch it again.",
+                ) from None
+            return
+        state = _load_torch_shard(shard.path, trust)
+        for key in wanted:
+            for target in targets[key]:
+                target.copy_(state[key])
+        del state
+
+
+def shard_names(count: int, fmt: str = "safetensors") -> list[str]:
+    """Hugging Face's shard file names: ``model-00001-of-00002.safetensors``, ..."""
+    stem, suffix = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    return [f"{stem}-{i:05d}-of-{count:05d}.{suffix}" for i in range(1, count + 1)]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def plan_shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Keys grouped into shards in order, each at most ``max_bytes`` unless one tensor is larger."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for key, tensor in tensors.items():
+        size = _nbytes(tensor)
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += size
+    return shards
+
+
+def write_shards(
+    folder: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    max_bytes: int,
+    write_file: Callable[[Path, Callable[[Any], None]], None],
+) -> None:
+    """Write the shards and the index into ``folder`` (an empty temporary folder).
+
+    ``write_file(path, writer)`` writes one file durably; the index comes last, so a folder
+    with an index has all its shards.
+    """
+    groups = plan_shards(tensors, max_bytes)
+    names = shard_names(len(groups))
+    weight_map: dict[str, str] = {}
+    for name, keys in zip(names, groups, strict=True):
+        part = {key: tensors[key] for key in keys}
+
+        def write(handle: Any, part: dict[str, torch.Tensor] = part) -> None:
+            write_safetensors(handle, part, metadata)
+
+        write_file(folder / name, write)
+        weight_map.update(dict.fromkeys(keys, name))
+    index = {
+        "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    encoded = (json.dumps(index, indent=2) + "\n").encode()
+    write_file(folder / SAFETENSORS_INDEX, lambda handle: handle.write(encoded))

@@ -1,0 +1,515 @@
+"""Where this process sits in a job, read from what the launcher or the scheduler set.
+
+Launchers and schedulers each describe a job in their own environment variables. This module
+reads them, in this order (the first that applies wins, so torchrun started by ``srun`` reads
+as torchrun):
+
+- **torchrun** (and ``gk.distributed.launch``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+- **Slurm** (``srun``, one process per task): ``SLURM_PROCID``, ``SLURM_NTASKS``,
+  ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_TASKS_PER_NODE``, the node list and the job id,
+  inside an ``srun`` step (``SLURM_STEP_ID``); the job's batch script is a single process.
+  The rendezvous is the first host of the node list (expanded as ``scontrol show hostnames``
+  does) on a port derived from ``SLURM_JOB_ID``, so every rank of a job agrees on it without
+  anything exported by hand, and two jobs on the same nodes use different ports.
+- **Open MPI** (``mpirun``): ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``,
+  ``_LOCAL_SIZE``; the address must be given as ``MASTER_ADDR`` (``mpirun -x MASTER_ADDR=...``).
+- **SkyPilot** (one process per node): ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``,
+  ``SKYPILOT_NUM_NODES``, ``SKYPILOT_NUM_GPUS_PER_NODE``.
+
+Explicit ``MASTER_ADDR`` / ``MASTER_PORT`` always win over derived ones. Nothing here starts a
+process group or reads a device: :func:`environment` is a pure function of a mapping.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from gpukit.errors import DistributedError
+
+__all__ = ["Environment", "environment", "expand_hostlist", "job_port", "torchrun_args"]
+
+# Derived ports stay below Linux's ephemeral range (32768-60999), where the OS hands out
+# ports to outgoing connections, and above the ports services usually register.
+PORT_BASE = 15000
+PORT_SPAN = 15000
+DEFAULT_PORT = 29500
+"""torch's conventional rendezvous port, used when nothing gives or derives one."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """This process's place in a job: ranks, nodes, the rendezvous, and who said so.
+
+    ``source`` is ``"torchrun"``, ``"slurm"``, ``"mpi"``, ``"skypilot"``, or ``None`` for a
+    single process. ``cuda_index`` is the CUDA device this process should use among those it
+    sees: its ``local_rank``, or 0 when the scheduler gave each task its own GPUs
+    (``srun --gpus-per-task``). ``job_id`` names the job for a rendezvous id.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    source: str | None = None
+    job_id: str | None = None
+    cuda_index: int = 0
+
+    @property
+    def launched(self) -> bool:
+        """True when a launcher started this process as part of a group (even a group of one)."""
+        return self.source is not None
+
+
+SINGLE = Environment()
+
+_VARIABLES = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE"),
+    "mpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "skypilot": ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES"),
+}
+
+
+# -- Slurm host lists ------------------------------------------------------------------------
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_MAX_HOSTS = 1 << 20  # a typo such as n[1-999999999] must not eat the memory of every rank
+
+
+def _bad_hostlist(text: str, why: str) -> DistributedError:
+    return DistributedError(
+        f"Cannot read the Slurm host list {text!r}: {why}.",
+        hint="Check SLURM_JOB_NODELIST (`scontrol show hostnames` should accept it), or set "
+        "MASTER_ADDR to the first node's address.",
+    )
+
+
+def _bracket(body: str, text: str) -> list[str]:
+    """``"1-3,07"`` -> ``["1", "2", "3", "07"]``; each range keeps the width of its start."""
+    numbers: list[str] = []
+    for part in body.split(","):
+        match = _RANGE.match(part)
+        if match is None:
+            raise _bad_hostlist(text, f"[{body}] holds {part!r}, not a number or range")
+        lo_text, hi_text = match.group(1), match.group(2)
+        lo = int(lo_text)
+        hi = lo if hi_text is None else int(hi_text)
+        if hi < lo:
+            raise _bad_hostlist(text, f"the range {part} runs backwards")
+        if len(numbers) + hi - lo + 1 > _MAX_HOSTS:
+            raise _bad_hostlist(text, f"it names more than {_MAX_HOSTS} hosts")
+        # As Slurm: the width is that of the range's first number, so 08-12 is 08..12, 8-12 is
+        # 8..12, and a number wider than the width is printed whole.
+        width = len(lo_text)
+        numbers.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
+    return numbers
+
+
+def _expand_one(expr: str, text: str) -> list[str]:
+    """One host expression, e.g. ``"rack[1-2]-node[01-02]"``; brackets multiply, first outermost."""
+    hosts = [""]
+    rest = expr
+    while rest:
+        start = rest.find("[")
+        if start < 0:
+            if "]" in rest:
+                raise _bad_hostlist(text, "a ']' closes no '['")
+            hosts = [h + rest for h in hosts]
+            break
+        end = rest.find("]", start)
+        if end < 0 or "[" in rest[start + 1 : end]:
+            raise _bad_hostlist(text, "a '[' is never closed")
+        prefix = rest[:start]
+        if "]" in prefix:
+            raise _bad_hostlist(text, "a ']' closes no '['")
+        numbers = _bracket(rest[start + 1 : end], text)
+        if len(hosts) * len(numbers) > _MAX_HOSTS:
+            raise _bad_hostlist(text, f"it names more than {_MAX_HOSTS} hosts")
+        hosts = [h + prefix + n for h in hosts for n in numbers]
+        rest = rest[end + 1 :]
+    return hosts
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """The hosts of a Slurm host list, in order, as ``scontrol show hostnames`` prints them.
+
+    Ranges (``n[1-3]``), zero padding (``n[08-10]``), comma lists inside and outside brackets,
+    several bracket groups (the first varies slowest) and text after a bracket are expanded.
+
+    >>> expand_hostlist("gpu[08-10],login1")
+    ['gpu08', 'gpu09', 'gpu10', 'login1']
+    >>> expand_hostlist("r[1-2]n[1-2]-ib")
+    ['r1n1-ib', 'r1n2-ib', 'r2n1-ib', 'r2n2-ib']
+    """
+    hosts: list[str] = []
+    depth = 0
+    current = ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if depth == 0 and (ch == "," or ch.isspace()):
+            if current:
+                hosts += _expand_one(current, text)
+            current = ""
+            continue
+        current += ch
+    if depth != 0:
+        raise _bad_hostlist(text, "its brackets do not pair up")
+    if current:
+        hosts += _expand_one(current, text)
+    return hosts
+
+
+def job_port(job_id: str) -> int:
+    """A rendezvous port derived from a job id: the same on every node, different per job.
+
+    Numeric ids (Slurm's) map one to one over ``PORT_SPAN`` consecutive jobs; other ids are
+    hashed.
+
+    >>> job_port("123456"), job_port("123457")
+    (18456, 18457)
+    """
+    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return PORT_BASE + number % PORT_SPAN
+
+
+# -- reading the variables -------------------------------------------------------------------
+
+
+def _int(env: Mapping[str, str], name: str, source: str, default: int | None = None) -> int:
+    raw = env.get(name) or (None if default is None else str(default))
+    if raw is None:
+        raise DistributedError(
+            f"{source} started this process without {name} in the environment.",
+            hint=f"Set {name}, or unset {', '.join(_VARIABLES[source])} to run a single process.",
+        )
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedError(
+            f"{name}={raw!r} is not an integer.", hint=f"Set {name} to a whole number, or unset it."
+        ) from None
+
+
+def _tasks_per_node(raw: str) -> list[int] | None:
+    """Slurm's ``"4(x2),3"`` -> ``[4, 4, 3]``; None when it cannot be read."""
+    counts: list[int] = []
+    for part in raw.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _rendezvous(
+    env: Mapping[str, str], addr: str | None, port: int | None
+) -> tuple[str | None, int | None]:
+    """Explicit MASTER_ADDR / MASTER_PORT win over what the job says."""
+    explicit_port = env.get("MASTER_PORT")
+    if explicit_port:
+        try:
+            port = int(explicit_port)
+        except ValueError:
+            raise DistributedError(
+                f"MASTER_PORT={explicit_port!r} is not a port number.",
+                hint="Set MASTER_PORT to a free TCP port (1024-65535), or unset it.",
+            ) from None
+    return env.get("MASTER_ADDR") or addr, port
+
+
+def _torchrun(env: Mapping[str, str]) -> Environment:
+    world = _int(env, "WORLD_SIZE", "torchrun")
+    rank = _int(env, "RANK", "torchrun")
+    local_world = _int(env, "LOCAL_WORLD_SIZE", "torchrun", 0) or world
+    local_rank = _int(env, "LOCAL_RANK", "torchrun", 0)
+    addr, port = _rendezvous(env, None, None)
+    nodes = _int(env, "GROUP_WORLD_SIZE", "torchrun", 0) or max(world // local_world, 1)
+    node = _int(env, "GROUP_RANK", "torchrun", rank // local_world if local_world else 0)
+    return Environment(
+        rank, world, local_rank, local_world, node, nodes, addr, port, "torchrun",
+        env.get("TORCHELASTIC_RUN_ID"), local_rank,
+    )  # fmt: skip
+
+
+def _slurm_nodes(env: Mapping[str, str]) -> tuple[str, list[str]]:
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if env.get(name):
+            return name, expand_hostlist(env[name])
+    return "SLURM_JOB_NODELIST", []
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    # srun sets the step id for the tasks it starts. The batch script and an salloc shell have
+    # none, yet they carry SLURM_PROCID=0 and the job's SLURM_NTASKS: read as rank 0 of N, a
+    # script started there would wait forever for N - 1 peers that nothing starts.
+    return bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
+
+
+def _slurm_allocation_nodes(env: Mapping[str, str]) -> int:
+    """How many nodes the Slurm job holds, seen from outside any step (1 when not in a job)."""
+    raw = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    return int(raw) if raw.isdigit() else 1
+
+
+def _slurm(env: Mapping[str, str]) -> Environment:
+    world = _int(env, "SLURM_NTASKS", "slurm")
+    rank = _int(env, "SLURM_PROCID", "slurm")
+    local_rank = _int(env, "SLURM_LOCALID", "slurm", 0)
+    node = _int(env, "SLURM_NODEID", "slurm", 0)
+    list_name, hosts = _slurm_nodes(env)
+    nodes_name = next(
+        (n for n in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES") if env.get(n)), "SLURM_NNODES"
+    )
+    nodes = _int(env, nodes_name, "slurm", len(hosts) or 1)
+    per_node_name = next(
+        (n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(n)), None
+    )
+    per_node_raw = env[per_node_name] if per_node_name else ""
+    per_node = _tasks_per_node(per_node_raw) if per_node_raw else None
+    if per_node is not None and (sum(per_node) != world or len(per_node) != nodes):
+        raise DistributedError(
+            f"Slurm's task counts do not add up: {per_node_name}={per_node_raw} is "
+            f"{sum(per_node)} tasks on {len(per_node)} nodes, but SLURM_NTASKS={world} and "
+            f"{nodes_name}={nodes}.",
+            hint="Start the job with srun from inside the allocation, not with variables copied "
+            "from another job; unset SLURM_* to run a single process.",
+        )
+    if hosts and len(hosts) != nodes:
+        raise DistributedError(
+            f"{list_name}={env[list_name]} names {len(hosts)} hosts, but the step has {nodes} "
+            f"nodes ({nodes_name}).",
+            hint="Start the job with srun from inside the allocation, or set MASTER_ADDR.",
+        )
+    if per_node is not None and 0 <= node < len(per_node):
+        local_world = per_node[node]
+    else:
+        local_world = _int(env, "SLURM_NTASKS_PER_NODE", "slurm", 0) or world
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    addr, port = _rendezvous(env, hosts[0] if hosts else None, job_port(job) if job else None)
+    cuda = local_rank
+    if env.get("SLURM_GPUS_PER_TASK") and _visible_count(env) in (None, *range(local_world)):
+        cuda = 0  # --gpus-per-task binds each task to its own GPUs: it sees them from cuda:0
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    job_id = None if job is None else (f"{job}.{step}" if step else job)
+    return Environment(
+        rank, world, local_rank, local_world, node, nodes, addr, port, "slurm", job_id, cuda
+    )
+
+
+def _mpi(env: Mapping[str, str]) -> Environment:
+    world = _int(env, "OMPI_COMM_WORLD_SIZE", "mpi")
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", "mpi")
+    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "mpi", 0) or world
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "mpi", 0)
+    if world % local_world:
+        raise DistributedError(
+            f"Open MPI's task counts do not add up: OMPI_COMM_WORLD_SIZE={world} is not a "
+            f"multiple of OMPI_COMM_WORLD_LOCAL_SIZE={local_world}.",
+            hint="Start the same number of processes on every node (mpirun --npernode N).",
+        )
+    addr, port = _rendezvous(env, None, DEFAULT_PORT)
+    return Environment(
+        rank, world, local_rank, local_world, rank // local_world, world // local_world,
+        addr, port, "mpi", None, local_rank,
+    )  # fmt: skip
+
+
+def _skypilot(env: Mapping[str, str]) -> Environment:
+    nodes = _int(env, "SKYPILOT_NUM_NODES", "skypilot")
+    node = _int(env, "SKYPILOT_NODE_RANK", "skypilot")
+    ips = env.get("SKYPILOT_NODE_IPS", "").split()
+    if ips and len(ips) != nodes:
+        raise DistributedError(
+            f"SkyPilot's node counts do not add up: SKYPILOT_NODE_IPS lists {len(ips)} "
+            f"addresses, but SKYPILOT_NUM_NODES={nodes}.",
+            hint="Run the command from SkyPilot's `run:` section, or set MASTER_ADDR.",
+        )
+    task = env.get("SKYPILOT_TASK_ID")
+    addr, port = _rendezvous(env, ips[0] if ips else None, job_port(task) if task else None)
+    if port is None:
+        port = DEFAULT_PORT
+    return Environment(node, nodes, 0, 1, node, nodes, addr, port, "skypilot", task, 0)
+
+
+def _visible_count(env: Mapping[str, str]) -> int | None:
+    """How many GPUs CUDA_VISIBLE_DEVICES lets CUDA see; None when it is unset."""
+    from gpukit.gpus.visible import parse_visible_devices
+
+    entries = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
+    return None if entries is None else len(entries)
+
+
+def _names(source: str | None) -> tuple[str, str]:
+    return {
+        "torchrun": ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        "slurm": ("SLURM_LOCALID", "SLURM_TASKS_PER_NODE"),
+        "mpi": ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    }.get(source or "", ("local rank", "processes per node"))
+
+
+def check_devices(found: Environment, visible: int, what: str) -> None:
+    """Refuse a local rank beyond the ``visible`` GPUs, which would hang in the rendezvous."""
+    rank_var, size_var = _names(found.source)
+    if visible > 0 and found.cuda_index >= visible:
+        raise DistributedError(
+            f"{found.source} started local rank {found.local_rank} ({rank_var}) of "
+            f"{found.local_world_size} on this node ({size_var}), but {what} lets this "
+            f"process see {visible} GPU{'s' if visible != 1 else ''}, so cuda:"
+            f"{found.cuda_index} does not exist.",
+            hint="Start at most one process per GPU of the node (--ntasks-per-node, "
+            "--nproc-per-node), or give each task its GPUs (srun --gpus-per-task=1).",
+        )
+
+
+def _check(found: Environment, env: Mapping[str, str]) -> Environment:
+    rank_var, size_var = _names(found.source)
+    if found.world_size < 1 or not 0 <= found.rank < found.world_size:
+        raise DistributedError(
+            f"rank {found.rank} does not fit in a world of {found.world_size} processes "
+            f"({found.source}).",
+            hint="Check the launcher's arguments; ranks run from 0 to world size - 1.",
+        )
+    if not 0 <= found.local_rank < found.local_world_size:
+        raise DistributedError(
+            f"local rank {found.local_rank} ({rank_var}) does not fit in "
+            f"{found.local_world_size} processes per node ({size_var}, {found.source}).",
+            hint="Check the launcher's --nproc-per-node (or Slurm's --ntasks-per-node).",
+        )
+    if not 0 <= found.node_rank < found.num_nodes:
+        raise DistributedError(
+            f"node {found.node_rank} does not fit in a job of {found.num_nodes} nodes "
+            f"({found.source}).",
+            hint="Start the job with its launcher from inside the allocation.",
+        )
+    visible = _visible_count(env)
+    if visible is not None:
+        check_devices(found, visible, f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}")
+    if found.world_size > 1 and (found.master_addr is None or found.master_port is None):
+        missing = " and ".join(
+            name
+            for name, value in (
+                ("MASTER_ADDR", found.master_addr),
+                ("MASTER_PORT", found.master_port),
+            )
+            if value is None
+        )
+        raise DistributedError(
+            f"{found.source} started rank {found.rank} of {found.world_size}, but nothing gives "
+            f"the rendezvous's {missing}, so the processes cannot find each other.",
+            hint=f"Set {missing} (the first node's address and a free port), e.g. "
+            "`mpirun -x MASTER_ADDR=node1`; under Slurm, run inside an allocation so that "
+            "SLURM_JOB_NODELIST and SLURM_JOB_ID are set.",
+        )
+    return found
+
+
+def environment(env: Mapping[str, str] | None = None) -> Environment:
+    """Where this process sits in its job, from ``env`` (default ``os.environ``). Pure.
+
+    torchrun's variables win, then Slurm's, Open MPI's, SkyPilot's; with none of them, rank 0
+    of 1 on 1 node. Raises :class:`~gpukit.errors.DistributedError` naming the variables when
+    they contradict each other (a local rank beyond the GPUs CUDA_VISIBLE_DEVICES allows, task
+    counts that do not add up), which would otherwise hang in the rendezvous.
+
+    >>> e = environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+    ...     "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NNODES": "2",
+    ...     "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"})
+    >>> e.rank, e.local_rank, e.node_rank, e.master_addr, e.master_port, e.source
+    (5, 1, 1, 'gpu07', 19242, 'slurm')
+    """
+    env = os.environ if env is None else env
+    found: Environment
+    if "RANK" in env or "WORLD_SIZE" in env:
+        found = _torchrun(env)
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _in_slurm_step(env):
+        found = _slurm(env)
+        if found.world_size == 1:
+            # One Slurm task is an ordinary single process: no group, no rendezvous needed.
+            return replace(SINGLE, job_id=found.job_id)
+    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        found = _mpi(env)
+    elif "SKYPILOT_NODE_RANK" in env and "SKYPILOT_NUM_NODES" in env:
+        found = _skypilot(env)
+    else:
+        return SINGLE
+    return _check(found, env)
+
+
+def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> list[str]:
+    """torchrun's options for this node of the job: nodes, node rank, processes, rendezvous.
+
+    Run once per node (``srun --ntasks-per-node=1``, or SkyPilot's ``run:``): every node gets
+    the same c10d rendezvous on the job's first node, at a port and with an id derived from
+    the job, so no address is exported by hand. Outside a multi-node job it is
+    ``--standalone`` (a rendezvous of its own on this machine).
+
+    >>> torchrun_args(4, {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2",
+    ...     "SKYPILOT_NODE_IPS": "10.0.0.5\\n10.0.0.6", "MASTER_PORT": "29400"})
+    ['--nnodes=2', '--node-rank=1', '--nproc-per-node=4', '--rdzv-backend=c10d', \
+'--rdzv-endpoint=10.0.0.5:29400', '--rdzv-id=gpukit-29400']
+    """
+    if (
+        isinstance(nproc_per_node, bool)
+        or not isinstance(nproc_per_node, int)
+        or nproc_per_node < 1
+    ):
+        raise DistributedError(
+            f"torchrun_args() was asked for nproc_per_node={nproc_per_node!r}.",
+            hint="Pass the number of processes to start on this node, e.g. its GPU count.",
+        )
+    found = environment(env)
+    if found.source == "torchrun":
+        raise DistributedError(
+            f"This process already runs under torchrun (rank {found.rank} of "
+            f"{found.world_size}): starting torchrun again would nest two process groups.",
+            hint="Run `gpukit run --ddp` from the job script or srun, not from a training worker.",
+        )
+    env = os.environ if env is None else env
+    nodes = _slurm_allocation_nodes(env)
+    if found.source is None and env.get("SLURM_JOB_ID") and nodes > 1:
+        raise DistributedError(
+            f"This runs in Slurm job {env['SLURM_JOB_ID']}'s script, outside any srun step, so "
+            f"it would start torchrun on 1 of the job's {nodes} nodes.",
+            hint="Start it on every node: `srun --ntasks-per-node=1 gpukit run --ddp -n N -- "
+            "train.py` (or `srun -N1 ...` to use one node on purpose).",
+        )
+    if found.num_nodes <= 1:
+        return ["--standalone", f"--nproc-per-node={nproc_per_node}"]
+    if found.local_world_size != 1:
+        _, size_var = _names(found.source)
+        raise DistributedError(
+            f"{found.source} started {found.local_world_size} tasks on this node ({size_var}), "
+            f"but torchrun starts the node's {nproc_per_node} processes itself: each task "
+            "would start its own.",
+            hint="Start one task per node: `srun --ntasks-per-node=1 gpukit run --ddp -n N -- "
+            "train.py`.",
+        )
+    # _check refused a multi-node job without a rendezvous address and port.
+    assert found.master_addr is not None
+    assert found.master_port is not None
+    run_id = found.job_id or f"gpukit-{found.master_port}"
+    return [
+        f"--nnodes={found.num_nodes}",
+        f"--node-rank={found.node_rank}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={found.master_addr}:{found.master_port}",
+        f"--rdzv-id={run_id}",
+    ]

@@ -1,0 +1,226 @@
+"""Sampling the machine in the background: the last reading, and an hour of history per GPU.
+
+A :class:`Sampler` reads the inventory and how the GPUs are shared (``gpukit queue``'s
+snapshot: holders, waiters) every ``interval`` seconds on its own thread, and renders
+everything the server hands out (the Prometheus text, the JSON documents) right there. A request
+only picks up the bytes of the last sample, so a slow client never delays sampling and a scrape
+costs the same however busy the machine is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpukit.errors import GpukitError, InvalidArgumentError
+from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.gpus.sharing import Sharing, sharing
+
+HISTORY_S = 3600.0
+"""How far back the in-memory history reaches (the dashboard's charts show the last hour)."""
+CHART_POINTS = 120
+"""At most this many points per GPU are sent to the page: bucket means over the hour."""
+STATE_SCHEMA = "gpukit.serve.state/1"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading of the machine, with everything a request needs already rendered."""
+
+    taken_at: float
+    inventory: Inventory | None
+    queue: Sharing | None
+    """Holders and waiters; ``None`` when the lock folder was refused as unsafe."""
+    error: str | None
+    """Why the last reading failed (the previous inventory is kept, marked stale)."""
+    metrics: bytes = b""
+    inventory_json: bytes = b""
+    queue_json: bytes = b""
+    state_json: bytes = b""
+
+
+@dataclass
+class _Series:
+    times: deque[float] = field(default_factory=deque)
+    util: deque[float | None] = field(default_factory=deque)
+    memory: deque[float | None] = field(default_factory=deque)
+
+
+def _ratio(part: float | None, whole: float | None) -> float | None:
+    return None if part is None or not whole else part / whole
+
+
+def _bucket_means(
+    times: list[float], values: list[float | None], start: float, end: float, points: int
+) -> list[float | None]:
+    sums = [0.0] * points
+    counts = [0] * points
+    width = (end - start) / points
+    for t, v in zip(times, values, strict=True):
+        if v is None or t < start:
+            continue
+        slot = min(int((t - start) / width), points - 1)
+        sums[slot] += v
+        counts[slot] += 1
+    return [s / c if c else None for s, c in zip(sums, counts, strict=True)]
+
+
+class History:
+    """Utilisation and memory of each GPU over the last hour, kept in memory."""
+
+    def __init__(self, span_s: float = HISTORY_S) -> None:
+        self.span_s = span_s
+        self._series: dict[str, _Series] = {}
+
+    def add(self, inv: Inventory) -> None:
+        """Record one reading and forget what is older than the span."""
+        now = inv.taken_at
+        for gpu in inv.gpus:
+            if not gpu.uuid:
+                continue
+            series = self._series.setdefault(gpu.uuid, _Series())
+            util = None if gpu.utilization_gpu is None else gpu.utilization_gpu / 100
+            series.times.append(now)
+            series.util.append(util)
+            series.memory.append(_ratio(gpu.memory_used, gpu.memory_total))
+        for series in self._series.values():
+            while series.times and series.times[0] < now - self.span_s:
+                series.times.popleft()
+                series.util.popleft()
+                series.memory.popleft()
+
+    def chart(self, now: float, points: int = CHART_POINTS) -> dict[str, Any]:
+        """``{uuid: {"util": [...], "memory": [...]}}``: ``points`` bucket means (0..1 or null)
+        over the span ending at ``now``, oldest first."""
+        start = now - self.span_s
+        out: dict[str, Any] = {}
+        for uuid, s in self._series.items():
+            times = list(s.times)
+            out[uuid] = {
+                "util": _bucket_means(times, list(s.util), start, now, points),
+                "memory": _bucket_means(times, list(s.memory), start, now, points),
+            }
+        return {"span_s": self.span_s, "points": points, "gpus": out}
+
+
+def _dumps(payload: Any) -> bytes:
+    return json.dumps(payload, default=str, separators=(",", ":")).encode()
+
+
+class Sampler:
+    """Reads the machine every ``interval`` seconds on a background thread.
+
+    >>> sampler = Sampler(interval=2.0)      # doctest: +SKIP
+    >>> sampler.start()                      # first reading now; raises NoDriverError without one
+    >>> sampler.latest.metrics[:40]          # doctest: +SKIP
+    >>> sampler.stop()
+    """
+
+    def __init__(
+        self,
+        interval: float = 2.0,
+        *,
+        read: Callable[[], Inventory] = inventory,
+        host: str | None = None,
+    ) -> None:
+        if not interval > 0 or interval == float("inf"):
+            raise InvalidArgumentError(
+                f"Cannot sample every {interval} s.",
+                hint="Give --interval a positive number of seconds, e.g. 2.",
+            )
+        self.interval = float(interval)
+        self.host = socket.gethostname() if host is None else host
+        """The machine's name as the page shows it."""
+        self._read = read
+        self.history = History()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._latest: Sample | None = None
+        self._failure: GpukitError | None = None
+
+    @property
+    def latest(self) -> Sample:
+        """The last sample (taken by :meth:`start` at the latest)."""
+        if self._latest is None:
+            self.sample()
+        assert self._latest is not None
+        return self._latest
+
+    def sample(self) -> Sample:
+        """Read the machine once, render every document, and make it the latest sample."""
+        from gpukit.serve.metrics import exposition
+
+        previous = self._latest
+        error = None
+        try:
+            inv: Inventory | None = self._read()
+        except GpukitError as exc:
+            inv, error = (previous.inventory if previous else None), exc.message
+            self._failure = exc
+        if inv is not None and error is None:
+            self.history.add(inv)
+        queue = None
+        lock_error = None
+        if inv is not None:
+            try:
+                # Read-only: the server shows the line and the holders; it keeps no idle ledger.
+                queue = sharing(inv, observe=False)
+            except GpukitError as exc:  # a refused lock folder: the GPUs are still worth showing
+                lock_error = f"Claims unknown: {exc.message}"
+        now = time.time()
+        inv_doc = None if inv is None else inv.to_json()
+        queue_doc = queue.to_json() if queue is not None else {"error": lock_error or error}
+        state = {
+            "schema": STATE_SCHEMA,
+            "host": self.host,
+            "taken_at": now,
+            "interval_s": self.interval,
+            "error": "; ".join(filter(None, [error, lock_error])) or None,
+            "inventory": inv_doc,
+            "queue": queue_doc,
+            "history": self.history.chart(now),
+        }
+        sample = Sample(
+            taken_at=now,
+            inventory=inv,
+            queue=queue,
+            error=error,
+            metrics=exposition(inv, queue, ok=error is None),
+            inventory_json=_dumps(inv_doc if inv_doc is not None else {"error": error}),
+            queue_json=_dumps(queue_doc),
+            state_json=_dumps(state),
+        )
+        self._latest = sample  # one reference swap: readers see the old sample or the new one
+        return sample
+
+    def start(self) -> None:
+        """Take the first sample here (so that errors such as NoDriverError surface), then keep
+        sampling on a daemon thread until :meth:`stop`."""
+        self._failure = None
+        if self.sample().inventory is None and self._failure is not None:
+            raise self._failure  # nothing to serve at all: no driver, no NVML
+        self._thread = threading.Thread(target=self._loop, name="gpukit-sampler", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sample()
+            except Exception as exc:  # a bug must not stop the sampling of a long-running server
+                print(f"gpukit serve: sampling failed: {exc!r}", file=sys.stderr)
+
+    def stop(self) -> None:
+        """Stop sampling and wait for the thread to end."""
+        self._stop.set()
+        if self._thread is not None:
+            with contextlib.suppress(RuntimeError):
+                self._thread.join(timeout=10)
+            self._thread = None
