@@ -201,6 +201,44 @@ def test_a_claim_holds_when_every_ledger_name_is_taken_and_says_it_is_not_record
     assert held_runs() == []
 
 
+def test_a_co_user_locking_your_ledger_file_cannot_hang_your_claims(
+    locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ledger, "_LOCK_WAIT_S", 0.2)
+    claim([UUID_A]).release()  # the ledger file exists, readable by every user
+    # Reading is all flock needs: any user who can read the file can lock it, for ever.
+    jammer = subprocess.Popen(
+        [sys.executable, "-c", _JAM, str(_own_file(locks))], stdout=subprocess.PIPE, text=True
+    )
+    assert jammer.stdout is not None
+    assert jammer.stdout.readline() == "locked\n"
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(20)
+    try:
+        with pytest.warns(RuntimeWarning, match="not in the ledger"):
+            held = claim([UUID_B], command="job")
+        assert held.held
+        held.release()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        jammer.kill()
+        jammer.wait()
+
+
+_JAM = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_SH)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _hung(signum: int, frame: object) -> None:
+    raise AssertionError("the claim hung on a ledger file another process keeps locked")
+
+
 def test_ledger_records_are_readable_by_every_user_and_writable_by_their_owner_only(
     locks: Path,
 ) -> None:

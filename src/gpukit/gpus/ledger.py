@@ -50,6 +50,8 @@ _PREFIX = "ledger-"
 _SUFFIX = ".jsonl"
 _FILE_MODE = 0o644  # others read it for `gpukit usage`; only its owner appends
 _NAME_TRIES = 8
+# This user's writers hold a ledger file's lock for one write: longer means someone else holds it.
+_LOCK_WAIT_S = 2.0
 _MAX_READ = 256 * 2**20  # a ledger file larger than this is not one gpukit wrote
 # Claims of this process whose end is not yet written: claim id -> (pid, lock folder). Written at
 # exit for gk.claim() on its own line, which is held until the process ends.
@@ -115,6 +117,29 @@ def _own_file(folder: Path, dir_fd: int) -> int:
     )
 
 
+def _lock(fd: int, folder: Path) -> None:
+    """Lock this user's ledger file, or raise LedgerError after :data:`_LOCK_WAIT_S`.
+
+    Never waits for ever: flock needs only read access, so any user who can read the file (all
+    can, for ``gpukit usage``) can hold it locked, where this user's own writers hold it for
+    the moment of one write.
+    """
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LedgerError(
+                    f"Cannot append to the gpukit ledger in {folder}: another process has kept "
+                    f"this user's ledger file locked for {_LOCK_WAIT_S:g} s.",
+                    hint="Any user who can read the file can lock it: ask an administrator to "
+                    "find the process holding it (/proc/locks).",
+                ) from None
+            time.sleep(0.005)
+
+
 def _append(folder: Path, record: dict[str, Any]) -> None:
     data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
     try:
@@ -127,7 +152,7 @@ def _append(folder: Path, record: dict[str, Any]) -> None:
     try:
         # Only this user's processes write this file, and each holds the flock while it
         # appends: the end of the file cannot move under us.
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock(fd, folder)
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data  # a writer killed mid-line: end its line, keep ours whole
