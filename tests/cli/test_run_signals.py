@@ -276,3 +276,86 @@ def test_ctrl_z_stops_the_job_and_fg_gives_the_command_back_its_terminal(
         os.close(master)
         shell.kill()
         shell.wait()
+
+
+# A script on a terminal that runs gpukit in the background as a shell without job control
+# does (`gpukit run ... &` in a script): in the script's own process group, with SIGINT and
+# SIGQUIT ignored. argv: gpukit arguments...
+_SCRIPT = """
+import fcntl, os, signal, subprocess, sys, termios
+os.setsid()
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+def background():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+job = subprocess.Popen([sys.executable, "-m", "gpukit", *sys.argv[1:]], preexec_fn=background)
+sys.exit(job.wait())
+"""
+
+_WHERE = """
+import os, sys
+with open(sys.argv[1], "a") as f:
+    f.write("foreground" if os.tcgetpgrp(0) == os.getpgrp() else "background")
+"""
+
+
+def test_a_background_gpukit_leaves_the_terminal_to_the_script_that_started_it(
+    tmp_path: Path,
+) -> None:
+    # Given the terminal, the background job's command would get the script's Ctrl-C, and the
+    # script and its foreground commands would not.
+    log = tmp_path / "log"
+    master, slave = os.openpty()
+    args = ["run", "--", sys.executable, "-c", _WHERE, str(log)]
+    script = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=_env(tmp_path),
+    )
+    os.close(slave)
+    try:
+        assert script.wait(timeout=30) == 0
+        assert log.read_text() == "background"
+    finally:
+        os.close(master)
+        script.kill()
+        script.wait()
+
+
+_HUP = """
+import os, signal, sys, time
+log = sys.argv[1]
+signal.signal(signal.SIGHUP, lambda n, f: (open(log, "a").write("hup"), sys.exit(0)))
+open(log, "a").write(f"ready {os.getpgrp()} ")
+time.sleep(60)
+"""
+
+
+def test_a_background_gpukit_passes_the_terminals_hang_up_to_its_command(tmp_path: Path) -> None:
+    # The kernel hangs up the terminal's foreground group, gpukit's and not its command's:
+    # the command must hear of it from gpukit, as it would have without gpukit.
+    log = tmp_path / "log"
+    log.touch()
+    master, slave = os.openpty()
+    args = ["run", "--", sys.executable, "-c", _HUP, str(log)]
+    script = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=_env(tmp_path),
+    )
+    os.close(slave)
+    try:
+        _until(lambda: log.read_text().startswith("ready "))
+        os.close(master)  # the terminal window closes
+        _until(lambda: log.read_text().endswith(" hup"))
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(master)
+        script.kill()
+        script.wait()
+        with contextlib.suppress(ProcessLookupError, ValueError, IndexError):
+            os.killpg(int(log.read_text().split()[1]), signal.SIGKILL)

@@ -53,8 +53,13 @@ def _controlling_terminal() -> int | None:
 
 
 def _foreground(tty: int | None) -> bool:
-    """True when gpukit's group is the terminal's foreground group (it may hand it over)."""
-    if tty is None:
+    """True when gpukit's group is the terminal's foreground group (it may hand it over).
+
+    A shell without job control (a script) runs ``gpukit run ... &`` in its own group, the
+    foreground one, with SIGINT ignored: such a gpukit is a background job and leaves the
+    terminal, and the script's Ctrl-C, to the script.
+    """
+    if tty is None or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         return False
     try:
         return os.tcgetpgrp(tty) == os.getpgrp()
@@ -160,7 +165,7 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> int:
         proc = _start(argv, env, handed, own_group=True)
         watch = _watchdog(proc.pid)
         try:
-            return _supervise(proc, tty, waited)
+            return _supervise(proc, tty, waited, gave_terminal=handed is not None)
         finally:
             _stand_down(watch)
             if handed is not None:  # the command's group ended: the terminal is gpukit's again
@@ -226,7 +231,13 @@ def _stand_down(watch: tuple[int, int] | None) -> None:
         os.waitpid(pid, 0)
 
 
-def _supervise(proc: subprocess.Popen[bytes], tty: int | None, waited: set[signal.Signals]) -> int:
+def _supervise(
+    proc: subprocess.Popen[bytes],
+    tty: int | None,
+    waited: set[signal.Signals],
+    *,
+    gave_terminal: bool,
+) -> int:
     last: tuple[int, int, float] | None = None
     stopped = False
     while True:
@@ -235,7 +246,9 @@ def _supervise(proc: subprocess.Popen[bytes], tty: int | None, waited: set[signa
             now = time.monotonic()
             repeat = last is not None and last[:2] == (info.si_signo, info.si_pid)
             again = repeat and last is not None and now - last[2] < _REPEAT_S
-            if not again and not _hung_up(info.si_signo, tty):
+            # A hang-up reached the command straight from the kernel only if its group was
+            # the terminal's foreground one; a background gpukit passes it on.
+            if not again and not (gave_terminal and _hung_up(info.si_signo, tty)):
                 # To the command's whole group, as a terminal would: a shell script's job is
                 # the shell's child and must stop with it, not outlive the claim.
                 with contextlib.suppress(ProcessLookupError):
