@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +254,25 @@ def test_a_lost_gpu_is_reported_without_hiding_the_others(
     assert "lost" in lost.error.lower()
     assert lost.memory_total is None
     assert Inventory.from_json(inv.to_json()).gpus[1].error == lost.error
+
+
+def test_a_co_users_command_line_reaches_no_terminal_as_escape_sequences() -> None:
+    # Anyone chooses their own process's argv; gpukit list and queue print it to other users.
+    from gpukit.gpus.inventory import _proc_owner_and_command
+
+    hostile = "\x1b]0;pwned\x07\x1b[2J"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print(flush=True); sys.stdin.read()", hostile],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # started, with its own command line
+        _, command = _proc_owner_and_command(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert command is not None
+    assert command.endswith("?]0;pwned??[2J")
+    assert command.isprintable()

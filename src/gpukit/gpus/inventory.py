@@ -291,6 +291,12 @@ def _memory(read: _Reader, handle: Any) -> tuple[int | None, int | None, int | N
     return int(info.total), int(info.used), int(info.free), None
 
 
+def _printable(text: str) -> str:
+    """``text`` with each control character as ``?``: anyone chooses their process's argv,
+    and gpukit list and queue show it on other users' terminals."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _proc_owner_and_command(pid: int) -> tuple[str | None, str | None]:
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
@@ -298,7 +304,7 @@ def _proc_owner_and_command(pid: int) -> tuple[str | None, str | None]:
             raw = f.read()
     except OSError:
         return None, None
-    command = raw.replace(b"\0", b" ").decode(errors="replace").strip() or None
+    command = _printable(raw.replace(b"\0", b" ").decode(errors="replace").strip()) or None
     try:
         import pwd
 
@@ -325,6 +331,8 @@ def _processes(read: _Reader, handle: Any) -> tuple[GpuProcess, ...]:
         user, command = describe(pid)
         if command is None:
             command = _text(read(nvml.nvmlSystemGetProcessName, pid))
+        command = None if command is None else _printable(command)
+        user = None if user is None else _printable(user)
         procs.append(GpuProcess(pid=pid, user=user, command=command, used_memory=memory))
     return tuple(sorted(procs, key=lambda p: -(p.used_memory or 0)))
 

@@ -171,7 +171,8 @@ def _cmdline(pid: int) -> str | None:
             raw = f.read()
     except OSError:
         return None
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip() or None
+    text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return "".join(c if c.isprintable() else "?" for c in text) or None  # no escape sequences
 
 
 def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
