@@ -15,8 +15,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from gpukit.cli._args import Seconds
 from gpukit.cli._output import human_bytes, na, print_json, say_if_fake
-from gpukit.errors import InvalidArgumentError
 from gpukit.gpus.sharing import IDLE_AFTER_S, Sharing, sharing
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--watch",
         nargs="?",
-        type=float,
+        type=Seconds(positive=True),
         const=2.0,
         default=None,
         metavar="SECONDS",
@@ -37,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--idle-after",
-        type=float,
+        type=Seconds(positive=True, unit="minutes"),
         default=IDLE_AFTER_S / 60,
         metavar="MIN",
         help="call a claim idle after MIN minutes with no process and 0%% utilisation on its "
@@ -174,16 +174,6 @@ def _watch(args: argparse.Namespace, idle_after: float) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Print the sharing state once, or keep a live view with ``--watch``."""
-    if not args.idle_after > 0:  # also refuses nan
-        raise InvalidArgumentError(
-            f"--idle-after {args.idle_after:g} is not a number of minutes.",
-            hint="Use a positive number, e.g. --idle-after 30.",
-        )
-    if args.watch is not None and not args.watch > 0:
-        raise InvalidArgumentError(
-            f"--watch {args.watch:g} is not a number of seconds.",
-            hint="Use a positive number, e.g. --watch 2.",
-        )
     say_if_fake("queue")
     idle_after = args.idle_after * 60
     if args.watch is not None:
