@@ -74,15 +74,20 @@ class Number:
 
 @dataclass(frozen=True)
 class Seconds:
-    """A duration in seconds: finite, at most a year, above 0 when ``positive``."""
+    """A duration: finite, at most a year, above 0 when ``positive``.
+
+    In seconds, or in ``unit`` ("minutes") where an option counts in it (``--idle-after 30``).
+    """
 
     positive: bool = False
+    unit: str = "seconds"
 
     def __call__(self, text: str) -> float:
         floor = "above 0" if self.positive else "0 or more"
-        what = f"a number of seconds ({floor}, at most a year)"
+        what = f"a number of {self.unit} ({floor}, at most a year)"
         value = _real(text, what)
-        if value < 0 or (self.positive and value == 0) or value > MAX_SECONDS:
+        per_unit = {"seconds": 1, "minutes": 60}[self.unit]
+        if value < 0 or (self.positive and value == 0) or value * per_unit > MAX_SECONDS:
             raise _refuse(text, what)
         return value
 

@@ -430,7 +430,7 @@ def environment(env: Mapping[str, str] | None = None) -> Environment:
 
     >>> e = environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
     ...     "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NNODES": "2",
-    ...     "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"})
+    ...     "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"})
     >>> e.rank, e.local_rank, e.node_rank, e.master_addr, e.master_port, e.source
     (5, 1, 1, 'gpu07', 19242, 'slurm')
     """
