@@ -9,8 +9,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# No per-example deadline: on a busy machine a slow example is not a failing one, and a test that
+# fails by the clock alone is a flaky test.
+settings.register_profile("gpukit", deadline=None)
+settings.load_profile("gpukit")
 MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
 
 

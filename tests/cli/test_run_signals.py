@@ -83,6 +83,16 @@ def _counter(tmp_path: Path) -> tuple[list[str], Path, Path]:
     return ["run", "--", sys.executable, "-c", _COUNTER, str(ready), str(result)], ready, result
 
 
+def _reap(proc: subprocess.Popen[bytes], ready: Path) -> None:
+    """Leave nothing running when a test fails midway: gpukit and its command's group."""
+    if ready.exists() and ready.read_text().strip():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.killpg(int(ready.read_text()), signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
 def test_a_signal_to_gpukits_whole_process_group_reaches_the_command_once(
     tmp_path: Path,
 ) -> None:
@@ -90,12 +100,15 @@ def test_a_signal_to_gpukits_whole_process_group_reaches_the_command_once(
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpukit", *args], env=_env(tmp_path), start_new_session=True
     )
-    _until(lambda: ready.exists() and ready.read_text() != "")
-    # In gpukit's group, the command would get the group's signal and gpukit's copy of it
-    # (or one, when the two happen to arrive together): it has a group of its own.
-    assert int(ready.read_text()) != proc.pid
-    os.killpg(proc.pid, signal.SIGTERM)  # kill -TERM -- -PGID
-    assert proc.wait(timeout=30) == 5
+    try:
+        _until(lambda: ready.exists() and ready.read_text() != "")
+        # In gpukit's group, the command would get the group's signal and gpukit's copy of it
+        # (or one, when the two happen to arrive together): it has a group of its own.
+        assert int(ready.read_text()) != proc.pid
+        os.killpg(proc.pid, signal.SIGTERM)  # kill -TERM -- -PGID
+        assert proc.wait(timeout=30) == 5
+    finally:
+        _reap(proc, ready)
     assert result.read_text() == "SIGTERM"
 
 
@@ -108,7 +121,10 @@ def test_a_signal_from_timeout_to_gpukit_and_its_group_reaches_the_command_once(
         env=_env(tmp_path),
         start_new_session=True,
     )
-    assert proc.wait(timeout=30) == 5
+    try:
+        assert proc.wait(timeout=30) == 5
+    finally:
+        _reap(proc, ready)
     assert result.read_text() == "SIGINT"
 
 
@@ -116,9 +132,12 @@ def test_a_signal_from_timeout_to_gpukit_and_its_group_reaches_the_command_once(
 def test_a_signal_to_gpukit_alone_reaches_the_command_once(tmp_path: Path, signum: int) -> None:
     args, ready, result = _counter(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "gpukit", *args], env=_env(tmp_path))
-    _until(lambda: ready.exists() and ready.read_text() != "")
-    proc.send_signal(signum)  # kill PID
-    assert proc.wait(timeout=30) == 5
+    try:
+        _until(lambda: ready.exists() and ready.read_text() != "")
+        proc.send_signal(signum)  # kill PID
+        assert proc.wait(timeout=30) == 5
+    finally:
+        _reap(proc, ready)
     assert result.read_text() == signal.Signals(signum).name
 
 
