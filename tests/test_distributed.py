@@ -17,7 +17,7 @@ from gpukit import distributed as dist
 from gpukit._tree import leaves_with_paths
 from gpukit.distributed.data import RankBatches, SampleWeights, per_device_size
 from gpukit.distributed.launcher import _failures
-from gpukit.distributed.process_group import _disagreement, _signature
+from gpukit.distributed.metrics import _disagreement, _signature
 from gpukit.errors import DistributedError, InvalidArgumentError
 
 TORCHRUN = {

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from gpukit import distributed as dist
 from gpukit.distributed import process_group
-from gpukit.distributed.environment import Environment, expand_hostlist, job_port
+from gpukit.distributed.environment import Environment, job_port
+from gpukit.distributed.hostlist import expand_hostlist
 from gpukit.errors import DistributedError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "environments"

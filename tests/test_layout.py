@@ -130,3 +130,26 @@ def test_the_architecture_map_names_every_module() -> None:
         if path.name != "__init__.py" and path.name not in architecture
     ]
     assert unnamed == [], f"docs/architecture.md does not name {unnamed}"
+
+
+def test_no_public_name_is_shadowed_by_a_module_of_the_same_name() -> None:
+    # Importing gpukit.pkg.x sets the package's attribute x to the module: a lazily exported
+    # function x of that package would then be replaced by it (gk.distributed.prepare(...)
+    # would raise "'module' object is not callable"). Import everything, then look.
+    code = (
+        "import importlib, pkgutil, types, gpukit\n"
+        "names = [i.name for i in pkgutil.walk_packages(gpukit.__path__, 'gpukit.')]\n"
+        "names = [n for n in names if n != 'gpukit.__main__']\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "bad = []\n"
+        "for name in ['gpukit', *names]:\n"
+        "    package = importlib.import_module(name)\n"
+        "    submodules = getattr(package, '_SUBMODULES', ())\n"
+        "    for public in getattr(package, '__all__', ()):\n"
+        "        value = getattr(package, public)\n"
+        "        if isinstance(value, types.ModuleType) and public not in submodules:\n"
+        "            bad.append(f'{name}.{public}')\n"
+        "print(bad)"
+    )
+    assert run_python(code).strip() == "[]"

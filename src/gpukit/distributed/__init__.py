@@ -33,18 +33,18 @@ _EXPORTS = {
     "DistributedLoader": "gpukit.distributed.data",
     "free_port": "gpukit.distributed.launcher",
     "launch": "gpukit.distributed.launcher",
+    "all_reduce_mean": "gpukit.distributed.metrics",
+    "gather_for_metrics": "gpukit.distributed.metrics",
+    "prepare": "gpukit.distributed.ddp",
     **{
         name: "gpukit.distributed.process_group"
         for name in (
             "DistributedContext",
-            "all_reduce_mean",
             "barrier",
-            "gather_for_metrics",
             "get_logger",
             "init",
             "is_main",
             "local_rank",
-            "prepare",
             "print_main",
             "rank",
             "world_size",
@@ -54,17 +54,17 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from gpukit.distributed.data import DistributedLoader as DistributedLoader
+    from gpukit.distributed.ddp import prepare as prepare
     from gpukit.distributed.launcher import free_port as free_port
     from gpukit.distributed.launcher import launch as launch
+    from gpukit.distributed.metrics import all_reduce_mean as all_reduce_mean
+    from gpukit.distributed.metrics import gather_for_metrics as gather_for_metrics
     from gpukit.distributed.process_group import DistributedContext as DistributedContext
-    from gpukit.distributed.process_group import all_reduce_mean as all_reduce_mean
     from gpukit.distributed.process_group import barrier as barrier
-    from gpukit.distributed.process_group import gather_for_metrics as gather_for_metrics
     from gpukit.distributed.process_group import get_logger as get_logger
     from gpukit.distributed.process_group import init as init
     from gpukit.distributed.process_group import is_main as is_main
     from gpukit.distributed.process_group import local_rank as local_rank
-    from gpukit.distributed.process_group import prepare as prepare
     from gpukit.distributed.process_group import print_main as print_main
     from gpukit.distributed.process_group import rank as rank
     from gpukit.distributed.process_group import world_size as world_size

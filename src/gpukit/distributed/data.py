@@ -10,7 +10,7 @@ structure of a batch, with 0 rows) so that every rank takes the same number of s
 
 Because shares differ in size, averaging the ranks' gradients would weigh a sample of a small
 share more than one of a large share. :class:`SampleWeights` (a DDP communication hook that
-:func:`~gpukit.distributed.process_group.prepare` installs) weighs each rank's gradient by its
+:func:`~gpukit.distributed.ddp.prepare` installs) weighs each rank's gradient by its
 share of the global batch instead, so the update is the one a single process computes on the
 whole global batch.
 """

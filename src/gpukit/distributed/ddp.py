@@ -1,0 +1,157 @@
+"""prepare(): a model, its optimizer and its data made ready for one process of N (DDP underneath)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar, overload
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from gpukit.distributed.data import (
+    DistributedLoader,
+    SampleWeights,
+    per_device_size,
+    weighted_allreduce,
+)
+from gpukit.distributed.process_group import DistributedContext, _ready
+from gpukit.errors import InvalidArgumentError
+from gpukit.transfer import to_device
+
+M = TypeVar("M", bound=nn.Module)
+Opt = TypeVar("Opt", bound=Optimizer)
+
+__all__ = ["prepare"]
+
+
+def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any]) -> Any:
+    if isinstance(model, DistributedDataParallel):
+        return model
+    model = to_device(model, ctx.device)
+    if ctx.world_size == 1:
+        return model
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    wrapped = DistributedDataParallel(model, device_ids=ids, **ddp)
+    # Shares of a global batch may differ (the last batch of an epoch): weigh each rank's
+    # gradient by its samples, not by 1/N, so the step is the one a single process takes.
+    wrapped.register_comm_hook(SampleWeights(ctx.world_size), weighted_allreduce)
+    return wrapped
+
+
+def _check_objects(model: object, optimizer: object, loader: object) -> None:
+    """Refuse what prepare() cannot wire, above all a loader passed where the optimizer goes."""
+    for name, obj, kind, label in (
+        ("model", model, nn.Module, "torch.nn.Module"),
+        ("optimizer", optimizer, Optimizer, "torch.optim.Optimizer"),
+        ("loader", loader, DataLoader, "torch.utils.data.DataLoader"),
+    ):
+        if isinstance(obj, kind) or (obj is None and name != "model"):
+            continue
+        by_keyword = name == "optimizer" and isinstance(obj, DataLoader) and loader is None
+        raise InvalidArgumentError(
+            f"prepare() got a {type(obj).__name__} as its {name}, where it needs a {label}.",
+            hint="Pass the loader by keyword: prepare(model, loader=loader, ...)."
+            if by_keyword
+            else "Call prepare(model, optimizer=None, loader=None, ...) with those types.",
+        )
+
+
+def _prepare_optimizer(optimizer: Optimizer, ctx: DistributedContext) -> Optimizer:
+    # The model was moved in place, so the optimizer's parameters are already right; only state
+    # it holds (Adam's moments after a resume) must follow. "step" stays on the CPU, as torch
+    # keeps it there for non-capturable optimizers.
+    for key, state in list(optimizer.state.items()):
+        optimizer.state[key] = to_device(state, ctx.device, skip=("step",))
+    return optimizer
+
+
+@overload
+def prepare(model: M) -> M | DistributedDataParallel: ...
+@overload
+def prepare(
+    model: M,
+    optimizer: Opt,
+    loader: None = ...,
+    *,
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, Opt]: ...
+@overload
+def prepare(
+    model: M,
+    optimizer: Opt,
+    loader: DataLoader[Any],
+    *,
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
+@overload
+def prepare(
+    model: M,
+    optimizer: None = ...,
+    *,
+    loader: DataLoader[Any],
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
+@overload
+def prepare(
+    model: M,
+    optimizer: None,
+    loader: DataLoader[Any],
+    *,
+    per_device_batch_size: int | None = ...,
+    global_batch_size: int | None = ...,
+    seed: int = ...,
+    ddp_kwargs: Mapping[str, Any] | None = ...,
+) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
+def prepare(
+    model: nn.Module,
+    optimizer: Optimizer | None = None,
+    loader: DataLoader[Any] | None = None,
+    *,
+    per_device_batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    seed: int = 0,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """Move the model (and DDP-wrap it when there are several processes), shard the loader.
+
+    Returns what it was given, in the same order, without the ``None`` s: ``model``,
+    ``(model, optimizer)``, ``(model, loader)`` or ``(model, optimizer, loader)``. A loader
+    needs an explicit batch size: ``per_device_batch_size=B`` (each process loads B samples) or
+    ``global_batch_size=G`` (one step sees G samples over all processes). Each global batch
+    (shuffled with ``seed``, a new shuffle each epoch, when the loader shuffled) is split over
+    the processes without repeating any sample, and its batches arrive on this process's
+    device. The DDP model weighs each process's gradient by its share of the global batch, so
+    N processes end with the same weights as one, whatever the dataset's size; in the last
+    step of an epoch a process may get fewer samples than the others, or an empty batch.
+
+    >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
+    """
+    _check_objects(model, optimizer, loader)
+    ctx = _ready()
+    out: list[Any] = [_prepare_model(model, ctx, ddp_kwargs or {})]
+    if optimizer is not None:
+        out.append(_prepare_optimizer(optimizer, ctx))
+    if loader is not None:
+        size = per_device_size(ctx.world_size, per_device_batch_size, global_batch_size)
+        out.append(
+            DistributedLoader(
+                loader,
+                batch_size=size,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                device=ctx.device,
+                seed=seed,
+            )
+        )
+    return out[0] if len(out) == 1 else tuple(out)
