@@ -1,4 +1,4 @@
-"""prepare(): a model, its optimizer and its data made ready for one process of N (DDP underneath)."""
+"""prepare(): a model, its optimizer and its data made ready for one process of N, on DDP."""
 
 from __future__ import annotations
 
