@@ -419,3 +419,21 @@ def test_all_reduce_mean_refuses_a_weight_that_is_not_a_sample_count(weight: obj
 
 def test_all_reduce_mean_with_a_weight_in_one_process_is_the_value_itself() -> None:
     assert dist.all_reduce_mean(torch.tensor([2.0, 4.0]), weight=3).tolist() == [2.0, 4.0]
+
+
+def test_a_group_that_init_joined_is_left_when_the_script_exits() -> None:
+    from tests.conftest import run_python
+
+    # The check is registered before init(), so it runs after gpukit's own exit handler.
+    code = (
+        "import atexit, os\n"
+        "import torch.distributed as tdist\n"
+        "from gpukit import distributed as dist\n"
+        "os.environ.update(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', LOCAL_WORLD_SIZE='1',\n"
+        "                  MASTER_ADDR='127.0.0.1', MASTER_PORT='0',  # one rank: any free port\n"
+        "                  TORCHELASTIC_RUN_ID='t')\n"
+        "atexit.register(lambda: print('still in a group at exit:', tdist.is_initialized()))\n"
+        "print('joined:', dist.init().world_size, tdist.is_initialized())\n"
+    )
+    out = run_python(code)
+    assert out.splitlines() == ["joined: 1 True", "still in a group at exit: False"]

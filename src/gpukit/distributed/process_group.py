@@ -6,6 +6,7 @@ their environment, picks the backend and device, and wires the model and data.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 from dataclasses import dataclass
@@ -105,7 +106,8 @@ def init(
     GPUs). A local rank beyond the GPUs this process sees fails at once with a
     :class:`~gpukit.errors.DistributedError` naming the variables. Without a launcher it starts
     nothing and returns rank 0 of 1 on ``gk.device("auto")``. Calling it again returns the
-    same context.
+    same context. A group it joined is left when the process exits, so a script need not call
+    ``destroy_process_group``.
 
     >>> init().world_size            # plain `python script.py`
     1
@@ -145,6 +147,10 @@ def init(
         world_size=launch_env.world_size,
         **kwargs,
     )
+    # A group still alive at interpreter exit is torn down with its background threads running,
+    # which can abort the process ("terminate called without an active exception") after the
+    # script has finished its work: leave it cleanly instead.
+    atexit.register(_leave)
     _context = DistributedContext(
         launch_env.rank,
         launch_env.local_rank,
@@ -154,6 +160,11 @@ def init(
         dev,
     )
     return _context
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _init_method(found: Environment) -> str:
