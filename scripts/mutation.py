@@ -71,7 +71,11 @@ def _config(module: str, tests: list[str]) -> str:
 
 
 def run_module(
-    module: str, tests: list[str], keep: Path | None, children: int | None = None
+    module: str,
+    tests: list[str],
+    keep: Path | None,
+    children: int | None = None,
+    keep_scratch: bool = False,
 ) -> dict[str, int | float | str]:
     """Mutate ``module`` in a scratch copy, run its tests against each mutant, return the counts."""
     present = [t for t in tests if (ROOT / t).exists()]
@@ -103,7 +107,10 @@ def run_module(
             keep.mkdir(parents=True, exist_ok=True)
             (keep / f"{module}.survivors.txt").write_text(survivors)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if keep_scratch:
+            print(f"{module}: scratch copy kept in {scratch} (`mutmut show NAME` there)")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
     tested = int(stats.get("total", 0)) - int(stats.get("skipped", 0))
     killed = int(stats.get("killed", 0)) + int(stats.get("timeout", 0))
     return {
@@ -124,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--survivors", type=Path, help="write each module's survivors here")
     parser.add_argument("--max-children", type=int, help="mutants tested at once (default: cores)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the scratch copy to read survivors' diffs"
+    )
     args = parser.parse_args(argv)
     if args.list:
         for module, tests in CORE.items():
@@ -133,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"not a core module: {', '.join(unknown)} (see --list)")
     results = [
-        run_module(m, CORE[m], args.survivors, args.max_children) for m in (args.modules or CORE)
+        run_module(m, CORE[m], args.survivors, args.max_children, args.keep)
+        for m in (args.modules or CORE)
     ]
     print(f"\n{'module':32} {'mutants':>8} {'killed':>7} {'survived':>9} {'score':>6}")
     for r in results:

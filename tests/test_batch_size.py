@@ -261,3 +261,148 @@ def test_decorated_function_that_never_fits_raises_the_usual_error() -> None:
     with pytest.raises(MemoryProbeError, match="No batch size from 1 to 64"):
         step()
     assert step.batch_size is None
+
+
+# -- the exact sizes tried, and what the user reads ---------------------------------------------
+
+
+def test_the_search_doubles_from_start_then_bisects_to_the_largest_size_that_fits() -> None:
+    step = SimulatedGpu(limit=48)
+    assert gk.find_batch_size(step, start=8, maximum=1024) == 48
+    assert step.tried == [8, 16, 32, 64, 48, 56, 52, 50, 49]
+
+
+def test_a_small_growth_still_adds_one_sample_per_try_and_stops_at_the_maximum() -> None:
+    step = SimulatedGpu(limit=100)
+    assert gk.find_batch_size(step, start=1, maximum=5, growth=1.1) == 5
+    assert step.tried == [1, 2, 3, 4, 5]
+    step = SimulatedGpu(limit=100)
+    assert gk.find_batch_size(step, start=3, maximum=20, growth=1.5) == 20
+    assert step.tried == [3, 5, 8, 12, 18, 20]
+
+
+def test_when_start_does_not_fit_the_search_bisects_down_from_it() -> None:
+    step = SimulatedGpu(limit=10)
+    assert gk.find_batch_size(step, start=64, maximum=64) == 10
+    assert step.tried == [64, 32, 16, 8, 12, 10, 11]
+    step = SimulatedGpu(limit=4)
+    assert gk.find_batch_size(step, start=8, maximum=8, floor=4) == 4
+    assert step.tried == [8, 5, 4]  # bisected between the floor and start: never below 4
+
+
+def test_when_nothing_fits_the_error_lists_every_size_tried() -> None:
+    step = SimulatedGpu(limit=3)
+    with pytest.raises(MemoryProbeError) as caught:
+        gk.find_batch_size(step, start=6, maximum=64, floor=4)
+    assert caught.value.message == (
+        "No batch size from 4 to 64 fits in memory; tried 6 (out of memory), 4 (out of memory)."
+    )
+    assert caught.value.hint == (
+        "Lower floor, free memory (gk.memory_report() shows what holds it), or use a smaller "
+        "model, mixed precision or gradient accumulation."
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (torch.OutOfMemoryError("anything"), True),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (RuntimeError(), False),
+        (RuntimeError(42), False),
+        (ValueError("CUDA out of memory."), False),
+    ],
+    ids=repr,
+)
+def test_only_an_out_of_memory_error_or_message_counts_as_out_of_memory(
+    exc: BaseException, expected: bool
+) -> None:
+    assert is_out_of_memory(exc) is expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message", "hint"),
+    [
+        (
+            {"start": 0, "maximum": 8},
+            "start=0 is not a batch size: it must be a whole number of at least 1.",
+            "Pass start as an int >= 1.",
+        ),
+        (
+            {"maximum": 2.0},
+            "maximum=2.0 is not a batch size: it must be a whole number of at least 1.",
+            "Pass maximum as an int >= 1.",
+        ),
+        (
+            {"floor": 0, "maximum": 8},
+            "floor=0 is not a batch size: it must be a whole number of at least 1.",
+            "Pass floor as an int >= 1.",
+        ),
+        (
+            {"floor": 4, "start": 2, "maximum": 8},
+            "find_batch_size needs floor <= start <= maximum, but got floor=4, start=2, maximum=8.",
+            "Lower start, or raise maximum.",
+        ),
+        (
+            {"maximum": 8, "growth": 1},
+            "growth=1 would not grow the batch size.",
+            "Pass a factor above 1, such as 2.",
+        ),
+        (
+            {"maximum": 8, "growth": True},
+            "growth=True would not grow the batch size.",
+            "Pass a factor above 1, such as 2.",
+        ),
+        (
+            {"maximum": 8, "growth": "2"},
+            "growth='2' would not grow the batch size.",
+            "Pass a factor above 1, such as 2.",
+        ),
+    ],
+    ids=repr,
+)
+def test_settings_that_make_no_search_are_refused_saying_what_to_pass(
+    kwargs: dict[str, object], message: str, hint: str
+) -> None:
+    step = SimulatedGpu(limit=100)
+    with pytest.raises(InvalidArgumentError) as caught:
+        gk.find_batch_size(step, **kwargs)  # type: ignore[arg-type]
+    assert (caught.value.message, caught.value.hint) == (message, hint)
+    assert step.tried == []
+
+
+def test_the_edges_of_the_settings_are_accepted() -> None:
+    assert gk.find_batch_size(SimulatedGpu(limit=100), start=8, maximum=8, floor=8) == 8
+    assert gk.find_batch_size(SimulatedGpu(limit=100), maximum=9, growth=1.01) == 9
+
+
+def test_the_decorator_keeps_the_functions_name_and_passes_its_arguments() -> None:
+    sizes: list[int] = []
+
+    @gk.find_batch_size(start=2, maximum=16)
+    def train(batch_size: int, epochs: int, *, lr: float) -> tuple[int, int, float]:
+        """Train."""
+        sizes.append(batch_size)
+        if batch_size > 5:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return batch_size, epochs, lr
+
+    assert (train.__name__, train.__doc__, train.batch_size) == ("train", "Train.", None)
+    assert train(3, lr=0.1) == (5, 3, 0.1)
+    assert train.batch_size == 5
+    assert sizes == [2, 4, 8, 6, 5, 5]
+    with pytest.raises(InvalidArgumentError) as caught:
+        gk.find_batch_size(maximum=8)(3)  # type: ignore[arg-type]
+    assert (caught.value.message, caught.value.hint) == (
+        "@find_batch_size(...) decorates a function, not 3.",
+        "Put it above a function whose first parameter is the batch size.",
+    )
+
+
+def test_the_search_starts_at_1_by_default_and_says_what_fn_must_be() -> None:
+    step = SimulatedGpu(limit=100)
+    assert gk.find_batch_size(step, maximum=4) == 4
+    assert step.tried == [1, 2, 4]
+    with pytest.raises(InvalidArgumentError) as caught:
+        gk.find_batch_size(42, maximum=8)  # type: ignore[arg-type]
+    assert caught.value.hint == "Pass a function that takes the batch size."

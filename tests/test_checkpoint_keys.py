@@ -11,6 +11,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gpukit as gk
+from gpukit.checkpoint.keys import (
+    clean_keys,
+    find_state_dict,
+    is_state_dict,
+    match_keys,
+    nearest,
+    unwrap,
+)
 from gpukit.errors import InvalidArgumentError
 
 _SEGMENT = st.from_regex(r"[a-z][a-z0-9_]{0,6}", fullmatch=True).filter(
@@ -115,3 +123,130 @@ def test_load_report_names_every_wrapper_segment_it_removed(tmp_path):
         ["_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module."]
     )
     assert torch.equal(target[0].weight, model[0].weight)
+
+
+# -- exact answers for each rule of finding and matching keys -----------------------------------
+
+
+def _sd(*keys: str) -> dict[str, torch.Tensor]:
+    return {key: torch.zeros(1) for key in keys}
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        ({}, False),
+        ({"w": torch.zeros(1)}, True),
+        ({1: torch.zeros(1)}, False),
+        ({"w": torch.zeros(1), "step": 3}, False),
+        ({"w": torch.zeros(1), "head._extra_state": b"x"}, True),
+        ({"head._extra_state": b"x"}, False),
+        ([torch.zeros(1)], False),
+    ],
+    ids=repr,
+)
+def test_a_state_dict_is_a_mapping_of_names_to_tensors(obj: object, expected: bool) -> None:
+    assert is_state_dict(obj) is expected
+
+
+def test_the_state_dict_is_found_under_the_most_specific_container_key() -> None:
+    weights, other = _sd("fc.weight"), _sd("other.weight")
+    assert find_state_dict(weights) == (weights, None)
+    assert find_state_dict({"model": other, "state_dict": weights}) == (weights, "state_dict")
+    assert find_state_dict({"model": "resnet18", "weights": weights}) == (weights, "weights")
+    assert find_state_dict({"ema": weights, "epoch": 3}) == (weights, "ema")
+    state, key = find_state_dict({"model": nn.DataParallel(nn.Linear(1, 1))})
+    assert (sorted(state), key) == (["bias", "weight"], "model")
+
+
+def test_a_file_without_a_state_dict_is_described() -> None:
+    with pytest.raises(LookupError, match=r"^the file holds a list, not a dict of tensors$"):
+        find_state_dict([torch.zeros(1)])
+    entries = {f"k{i}": i for i in range(13)}
+    with pytest.raises(LookupError) as caught:
+        find_state_dict(entries)
+    shown = ", ".join(f"'k{i}'" for i in range(12))
+    assert str(caught.value) == f"no state dict among its entries ({shown})"
+
+
+def test_unwrap_names_every_wrapper_it_removed_outermost_first() -> None:
+    inner = nn.Linear(1, 1)
+    assert unwrap(nn.DataParallel(nn.DataParallel(inner))) == (inner, ["DataParallel"] * 2)
+    assert unwrap(inner) == (inner, [])
+
+
+def test_clean_keys_lists_the_prefixes_it_removed_wrappers_first() -> None:
+    cleaned, removed = clean_keys(_sd("module._orig_mod.fc.weight", "module._orig_mod.fc.bias"))
+    assert list(cleaned) == ["fc.weight", "fc.bias"]
+    assert removed == ["_orig_mod.", "module."]
+    assert clean_keys(_sd("module.module.w"))[1] == ["module.", "module."]
+    assert clean_keys({}) == (OrderedDict(), [])
+
+
+def test_module_metadata_of_a_wrapper_gives_way_to_the_real_roots() -> None:
+    state = OrderedDict(_sd("module.fc.weight"))
+    state._metadata = OrderedDict(  # type: ignore[attr-defined]
+        [("", {"version": 1}), ("module", {"version": 2}), ("module.fc", {"version": 3})]
+    )
+    cleaned, _ = clean_keys(state)
+    assert cleaned._metadata == {"": {"version": 2}, "fc": {"version": 3}}  # type: ignore[attr-defined]
+
+
+def test_match_keys_drops_a_framework_attribute_only_when_it_matches_more_keys() -> None:
+    found = match_keys(["model.fc.weight", "model.fc.bias"], ["fc.weight", "fc.bias"])
+    assert found.mapping == {"model.fc.weight": "fc.weight", "model.fc.bias": "fc.bias"}
+    assert (found.prefixes, found.missing, found.unexpected) == (["model."], [], [])
+    kept = match_keys(["model.fc.weight"], ["model.fc.weight"])
+    assert (kept.mapping, kept.prefixes) == ({"model.fc.weight": "model.fc.weight"}, [])
+    # dropping "model." would match no more keys than keeping it: kept
+    neither = match_keys(["model.a", "model.b"], ["c"])
+    assert (neither.prefixes, neither.missing, neither.unexpected) == (
+        [],
+        ["c"],
+        ["model.a", "model.b"],
+    )
+    wrapped = match_keys(["model.module.fc.weight"], ["fc.weight"])
+    assert (wrapped.mapping, wrapped.prefixes) == (
+        {"model.module.fc.weight": "fc.weight"},
+        ["model.", "module."],
+    )
+
+
+def test_match_keys_drops_a_module_segment_inside_a_key_only_for_a_key_the_model_lacks() -> None:
+    found = match_keys(
+        ["enc.module.w", "enc.w", "dec.module.w", "head.w"], ["enc.w", "dec.w", "head.w", "x"]
+    )
+    assert found.mapping == {"enc.w": "enc.w", "dec.module.w": "dec.w", "head.w": "head.w"}
+    assert found.prefixes == [".module."]
+    assert found.unexpected == ["enc.module.w"]  # enc.w came from the checkpoint itself
+    assert found.missing == ["x"]
+    twice = match_keys(["a.module.w", "b.module.w"], ["a.w", "b.w"])
+    assert twice.prefixes == [".module."]
+
+
+def test_nearest_suggests_a_close_name_and_nothing_for_a_distant_one() -> None:
+    assert nearest("fc.weigth", ["fc.weight", "conv.bias"]) == "fc.weight"
+    assert nearest("embedding", ["fc.weight", "conv.bias"]) is None
+
+
+def test_a_container_key_without_weights_gives_way_to_the_next_container_key() -> None:
+    weights = _sd("fc.weight")
+    found = find_state_dict({"state_dict": {"step": 1}, "model": {"net": weights}})
+    assert found == (weights, "model")
+
+
+def test_match_keys_never_strips_first_segments_that_differ_and_keeps_every_segment_dropped() -> (
+    None
+):
+    differ = match_keys(["a.x", "b.y"], ["x", "y"])
+    assert (differ.mapping, differ.unexpected) == ({}, ["a.x", "b.y"])
+    # each segment dropped matches more keys, and the report names both
+    nested = match_keys(["a.b.x", "a.b.y"], ["b.x", "x", "y"])
+    assert nested.mapping == {"a.b.x": "x", "a.b.y": "y"}
+    assert nested.prefixes == ["a.", "b."]
+
+
+def test_two_checkpoint_keys_never_fill_the_same_model_key() -> None:
+    found = match_keys(["a.module.w", "module.a.w"], ["a.w"])
+    assert found.mapping == {"a.module.w": "a.w"}
+    assert found.unexpected == ["module.a.w"]

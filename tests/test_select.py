@@ -12,10 +12,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gpukit as gk
-from gpukit.errors import InvalidArgumentError, NoDriverError, NoGpuAvailableError
+from gpukit.errors import (
+    InvalidArgumentError,
+    NoDriverError,
+    NoGpuAvailableError,
+    UserLimitError,
+)
 from gpukit.gpus.claims import Holder
-from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.select import parse_size, pick
+from gpukit.gpus.inventory import GPU, GpuProcess, Inventory, inventory
+from gpukit.gpus.policy import Limits, Policy, user_name
+from gpukit.gpus.select import (
+    Criteria,
+    assess,
+    best_first,
+    check_user_limit,
+    choose,
+    no_gpu_error,
+    parse_size,
+    pick,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MACHINES = sorted((Path(__file__).parent / "fixtures" / "machines").glob("*.json"))
@@ -304,3 +319,399 @@ def test_pick_never_takes_an_excluded_gpu_even_the_best_one(
     assert [g.index for g in pick(1, inventory=inv, claims={}, exclude=[2])] == [4]
     with pytest.raises(NoGpuAvailableError):
         pick(2, inventory=inv, claims={}, exclude=[2])
+
+
+# -- what the user reads and the edges of each rule, with answers worked out by hand ------------
+
+_SIZE_HINT = 'Write a number of bytes or a size with a unit, e.g. "8GiB", "500MB".'
+
+
+def _gpu(
+    index: int,
+    *,
+    free: int | None = 80 * GiB,
+    util: int | None = 0,
+    processes: tuple[tuple[str | None, str | None], ...] = (),
+    total: int | None = 80 * GiB,
+    mig: bool | None = False,
+    error: str | None = None,
+) -> GPU:
+    return GPU(
+        index=index,
+        uuid=f"GPU-{index:04d}aaaa",
+        name="test GPU",
+        memory_total=total,
+        memory_free=free,
+        utilization_gpu=util,
+        mig_mode=mig,
+        processes=tuple(
+            GpuProcess(pid=100 + i, user=user, command=command, used_memory=GiB)
+            for i, (user, command) in enumerate(processes)
+        ),
+        error=error,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1", 1),
+        ("1b", 1),
+        ("1kb", 1000),
+        ("1KB", 1000),
+        ("1mb", 1_000_000),
+        ("1tb", 10**12),
+        ("1k", 1024),
+        ("1KiB", 1024),
+        ("1m", 2**20),
+        ("1g", 2**30),
+        ("1t", 2**40),
+        ("1TiB", 2**40),
+        (" 2 GiB ", 2 * 2**30),
+        ("1.", 1),
+        (".5KiB", 512),
+    ],
+)
+def test_parse_size_reads_every_unit_it_documents(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (True, "True is not a memory size."),
+        (None, "None is not a memory size."),
+        (float("inf"), "inf is not a memory size."),
+        ("8 GiBs", "Cannot read '8 GiBs' as a memory size."),
+        ("-1GiB", "Cannot read '-1GiB' as a memory size."),
+        (-1, "A memory size cannot be negative (-1)."),
+        (-0.5, "A memory size cannot be negative (-0.5)."),
+        ("x" * 22, f"Cannot read '{'x' * 22}' as a memory size."),
+        ("x" * 23, f"Cannot read '{'x' * 19}... (25 characters) as a memory size."),
+    ],
+    ids=repr,
+)
+def test_a_size_that_cannot_be_read_is_refused_saying_what_was_given_and_how_to_write_one(
+    value: object, message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_size(value)  # type: ignore[arg-type]
+    assert caught.value.message == message
+    assert caught.value.hint == _SIZE_HINT
+
+
+def test_sizes_up_to_2_to_the_100_bytes_are_read_and_larger_ones_refused() -> None:
+    assert parse_size(2**100) == 2**100
+    assert parse_size(0) == 0
+    assert parse_size(1.9) == 1
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_size(2**100 + 1)
+    assert caught.value.message == (
+        "12676506002282294014... (31 characters) is more memory than any GPU has (gpukit "
+        "refuses sizes past 2**100 bytes)."
+    )
+    assert caught.value.hint == 'Write a size a GPU can have, e.g. "80GiB".'
+
+
+def test_criteria_are_described_in_the_words_of_the_refusal() -> None:
+    assert Criteria.make().describe() == "no process on it"
+    assert Criteria.make(min_free="1.5GiB", max_util=10).describe() == (
+        "at least 1.5 GiB free, at most 10% busy"
+    )
+    assert Criteria.make(min_free="60GiB", max_processes=2, exclude=[0, "GPU-8d11"]).describe() == (
+        "at least 60 GiB free, at most 2 process(es), not 0, GPU-8d11"
+    )
+    assert Criteria.make(min_free=0, max_processes=0).describe() == (
+        "at least 0 GiB free, no process on it"
+    )
+    assert Criteria.make(max_util=10.9).max_util == 10  # a fraction of a percent never loosens
+
+
+@pytest.mark.parametrize(
+    ("criteria", "message", "hint"),
+    [
+        ({"max_util": 101}, "max_util=101 is not a percentage.", "Use a value from 0 to 100."),
+        ({"max_util": -1}, "max_util=-1 is not a percentage.", "Use a value from 0 to 100."),
+        ({"max_processes": -1}, "max_processes=-1 is negative.", "Use 0 or more."),
+        (
+            {"exclude": [1.5]},
+            "Cannot exclude 1.5: not an NVML index or a UUID.",
+            "Exclude GPUs by their `gpukit list` index or GPU- UUID.",
+        ),
+        (
+            {"exclude": [True]},
+            "Cannot exclude True: not an NVML index or a UUID.",
+            "Exclude GPUs by their `gpukit list` index or GPU- UUID.",
+        ),
+    ],
+    ids=repr,
+)
+def test_criteria_out_of_range_are_refused_saying_what_to_use(
+    criteria: dict[str, object], message: str, hint: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        Criteria.make(**criteria)  # type: ignore[arg-type]
+    assert (caught.value.message, caught.value.hint) == (message, hint)
+
+
+def test_exclude_given_as_a_comma_separated_string_names_each_gpu() -> None:
+    assert Criteria.make(exclude="2, 4,,").exclude == ("2", "4")
+    assert Criteria.make(exclude=3).exclude == (3,)  # type: ignore[arg-type]
+    assert Criteria.make(exclude=[]).exclude == ()
+
+
+def test_an_exclude_naming_no_gpu_or_several_is_refused_naming_the_machines_gpus() -> None:
+    inv = Inventory(gpus=(_gpu(0), _gpu(1)))
+    hint = (
+        "Exclude GPUs by their `gpukit list` index or their UUID (a prefix is enough when it "
+        "names one GPU)."
+    )
+    with pytest.raises(InvalidArgumentError) as caught:
+        pick(1, exclude=[5], inventory=inv, claims={})
+    assert caught.value.message == (
+        "Cannot exclude 5: it names no GPU of this machine. The machine has GPUs "
+        "0 (GPU-0000aaaa), 1 (GPU-0001aaaa)."
+    )
+    assert caught.value.hint == hint
+    with pytest.raises(InvalidArgumentError) as caught:
+        pick(1, exclude=["GPU-000"], inventory=inv, claims={})
+    assert caught.value.message == (
+        "Cannot exclude 'GPU-000': it is a prefix of the UUIDs of GPUs 0, 1. The machine has "
+        "GPUs 0 (GPU-0000aaaa), 1 (GPU-0001aaaa)."
+    )
+    with pytest.raises(InvalidArgumentError, match="Cannot exclude 9: it names no GPU"):
+        pick(1, exclude=[0, 9], inventory=inv, claims={})  # every entry is checked, not the first
+    with pytest.raises(InvalidArgumentError, match=r"The machine has GPUs none\."):
+        Criteria.make(exclude=[0]).check_exclude(Inventory(gpus=()))
+    with pytest.raises(InvalidArgumentError, match="names no GPU"):
+        Criteria.make(exclude=[""]).check_exclude(inv)  # "" is no prefix of a UUID
+
+
+def test_each_rejection_states_the_reading_and_the_limit_it_broke() -> None:
+    gpus = (
+        _gpu(0, free=GiB + GiB // 2, util=50, processes=(("ann", "python a.py"),)),
+        _gpu(1, free=None, util=None),
+        _gpu(2, mig=True),
+        _gpu(3, error="GPU is lost"),
+        _gpu(4, free=-5, util=101, processes=(("bob", "b"), ("cid", "c"))),
+        _gpu(5, processes=((None, "x" * 40), ("bob", None), ("cid", "c"), ("dan", "d"))),
+        _gpu(6, free=2 * GiB, util=10, processes=(("eve", "e"),)),
+        _gpu(7, processes=(("ann", "a"), ("bob", "b"), ("cid", "c"))),
+    )
+    criteria = Criteria.make(min_free="2GiB", max_util=10, max_processes=1, exclude=[5])
+    claimed = Holder("zoe", 42, "host", "python z.py", 0.0)
+    verdicts = assess(Inventory(gpus=gpus), criteria, {"GPU-0004aaaa": claimed})
+    assert [v.explain() for v in verdicts] == [
+        "GPU 0: 1.5 GiB free < 2 GiB; 50% busy > 10%; 1 process (ann, python a.py)",
+        "GPU 1: free memory unknown",
+        "GPU 2: in MIG mode (use one of its MIG instances by UUID in CUDA_VISIBLE_DEVICES)",
+        "GPU 3: unreadable by NVML (GPU is lost)",
+        "GPU 4: claimed by zoe (pid 42: python z.py); 0.0 GiB free < 2 GiB; 101% busy > 10%; "
+        "2 processes (bob, b; cid, c) > 1",
+        "GPU 5: excluded; 4 processes (?, " + "x" * 30 + "; bob, ?; cid, c; ...)",
+        "GPU 6: qualifies; 1 process (eve, e)",
+        "GPU 7: 3 processes (ann, a; bob, b; cid, c) > 1",
+    ]
+    assert [v.ok for v in verdicts] == [False] * 6 + [True, False]
+    assert verdicts[4].claimed_by == claimed
+    assert verdicts[0].claimed_by is None
+
+
+def test_only_a_gpu_that_could_ever_qualify_is_worth_waiting_for() -> None:
+    criteria = Criteria.make(min_free="40GiB", exclude=[2])
+    assert criteria.could_ever_qualify(_gpu(0, free=0, total=40 * GiB))
+    assert criteria.could_ever_qualify(_gpu(1, free=0, total=None))
+    assert not criteria.could_ever_qualify(_gpu(0, total=40 * GiB - 1))
+    assert not criteria.could_ever_qualify(_gpu(2))
+    assert not criteria.could_ever_qualify(_gpu(0, mig=True))
+    assert not criteria.could_ever_qualify(_gpu(0, error="GPU is lost"))
+    assert Criteria.make().could_ever_qualify(_gpu(0, total=0))
+
+
+def test_the_refusal_says_what_was_asked_how_many_qualify_and_why_each_other_gpu_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A100 free memory (total - used - reserved): GPUs 0 and 1 8.3 GiB, 3 41.0 GiB, 5 67.4 GiB,
+    # 6 below zero; 2, 4 and 7 (77.2 GiB, 3 % busy) qualify.
+    inv = _machine(monkeypatch, A100)
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(4, min_free="60GiB", max_util=10, inventory=inv, claims={})
+    assert caught.value.message == (
+        "Asked for 4 GPUs with at least 60 GiB free, at most 10% busy: 3 of 8 qualify.\n"
+        "  GPU 0: 8.3 GiB free < 60 GiB; 98% busy > 10%; 1 process (alice, python train.py)\n"
+        "  GPU 1: 8.3 GiB free < 60 GiB; 97% busy > 10%; 1 process (alice, python train.py)\n"
+        "  GPU 3: 41.0 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)\n"
+        "  GPU 5: 41% busy > 10%; 1 process (carol, python serve.py)\n"
+        "  GPU 6: 0.0 GiB free < 60 GiB; 100% busy > 10%; 1 process (dave, torchrun worker)"
+    )
+    assert caught.value.hint == "Wait for them with `gpukit run --wait`, or relax the criteria."
+
+
+def test_the_refusal_of_one_gpu_says_one_qualifies_or_none_and_when_waiting_cannot_help(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inv = _machine(monkeypatch, A100)
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(1, min_free="81GiB", inventory=inv, claims={})
+    assert caught.value.message.startswith("Asked for 1 GPU with at least 81 GiB free: 0 of 8 ")
+    assert "qualify.\n  GPU 0: 8.3 GiB free < 81 GiB; 1 process" in caught.value.message
+    assert (
+        caught.value.hint == "Waiting cannot help: only 0 could ever qualify; relax the criteria."
+    )
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(3, min_free="77GiB", exclude=[2], inventory=inv, claims={})
+    assert caught.value.message.startswith(
+        "Asked for 3 GPUs with at least 77 GiB free, not 2: 2 of 8 qualify."
+    )
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(2, min_free="78GiB", exclude=[2], inventory=inv, claims={})
+    assert caught.value.message.startswith(
+        "Asked for 2 GPUs with at least 78 GiB free, not 2: 1 of 8 qualifies."
+    )
+    # 7 GPUs are not excluded and have 80 GiB in all: waiting could free 2 of them
+    assert caught.value.hint == "Wait for them with `gpukit run --wait`, or relax the criteria."
+
+
+def test_the_refusal_on_a_shared_gpu_says_how_to_share_it_and_counts_what_could_qualify(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inv = _machine(monkeypatch, LAPTOP)
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(1, inventory=inv, claims={})
+    assert caught.value.message.startswith("Asked for 1 GPU with no process on it: 0 of 1 ")
+    assert caught.value.hint == (
+        "Wait for them with `gpukit run --wait`, or relax the criteria (--min-free SIZE or "
+        "--max-processes N shares a GPU with its processes)."
+    )
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(1, max_processes=1, inventory=inv, claims={})
+    assert caught.value.hint == "Wait for them with `gpukit run --wait`, or relax the criteria."
+
+
+def test_asking_for_more_gpus_than_the_machine_has_says_how_many_it_has() -> None:
+    inv = Inventory(gpus=(_gpu(0), _gpu(1, processes=(("ann", "a"),))))
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(3, inventory=inv, claims={})
+    assert caught.value.message == (
+        "Asked for 3 GPUs with no process on it: this machine has 2.\n  GPU 1: 1 process (ann, a)"
+    )
+    assert caught.value.hint == "Ask for at most 2."
+    with pytest.raises(NoGpuAvailableError) as caught:
+        pick(1, inventory=Inventory(gpus=()), claims={})
+    assert caught.value.message == (
+        "Asked for 1 GPU with no process on it: the driver reports no GPU on this machine."
+    )
+    assert caught.value.hint == "Check `nvidia-smi`."
+    assert no_gpu_error(inv, 1, Criteria(max_processes=3, min_free=0), []).message == (
+        "Asked for 1 GPU with at least 0 GiB free, at most 3 process(es): 0 of 2 qualify."
+    )
+
+
+def test_pick_orders_by_least_busy_then_fewest_processes_then_most_free_then_index() -> None:
+    inv = Inventory(
+        gpus=(
+            _gpu(0, util=5),
+            _gpu(1, util=0, processes=(("ann", "a"),)),
+            _gpu(2, util=0, free=10 * GiB),
+            _gpu(3, util=0, free=20 * GiB),
+            _gpu(4, util=0, free=20 * GiB),
+            _gpu(5, util=None, free=None, processes=(("ann", "a"), ("bob", "b"))),
+        )
+    )
+    every = {"max_processes": 2, "inventory": inv, "claims": {}}
+    assert [g.index for g in pick(6, order="util", **every)] == [3, 4, 2, 1, 5, 0]  # type: ignore[arg-type]
+    assert [g.index for g in pick(6, order="free", **every)] == [0, 1, 3, 4, 2, 5]  # type: ignore[arg-type]
+    assert [g.index for g in pick(6, order="index", **every)] == [0, 1, 2, 3, 4, 5]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.0, True, "1"], ids=repr)
+def test_pick_of_a_number_of_gpus_that_is_not_a_positive_int_is_refused(n: object) -> None:
+    inv = Inventory(gpus=(_gpu(0),))
+    with pytest.raises(InvalidArgumentError) as caught:
+        pick(n, inventory=inv, claims={})  # type: ignore[arg-type]
+    assert (caught.value.message, caught.value.hint) == (
+        f"Cannot pick {n!r} GPUs.",
+        "Ask for 1 or more, as an int.",
+    )
+    with pytest.raises(InvalidArgumentError) as caught:
+        pick(1, order="most", inventory=inv, claims={})  # type: ignore[arg-type]
+    assert (caught.value.message, caught.value.hint) == (
+        "order='most' is not an order gpukit knows.",
+        "Use one of ('free', 'index', 'util').",
+    )
+
+
+def test_pick_refuses_more_gpus_than_the_users_limit_and_says_whether_waiting_helps(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path))
+    policy = Policy(Limits(max_gpus_per_user=1), path=tmp_path / "policy.toml")
+    check_user_limit(1, policy)  # holds none: one more is within the limit
+    check_user_limit(5, Policy())  # no policy: no limit
+    with pytest.raises(UserLimitError) as caught:
+        check_user_limit(2, policy)
+    assert caught.value.message == (
+        f"Asked for 2 GPUs, but the policy {tmp_path / 'policy.toml'} allows 1 per user "
+        f"(max_gpus_per_user) and {user_name(os.getuid())} already holds none."
+    )
+    assert caught.value.hint == "Waiting cannot help: ask for fewer GPUs, or ask the administrator."
+    inv = _machine(monkeypatch, A100)
+    with gk.claim([inv.gpu(2)]), pytest.raises(UserLimitError) as caught:
+        check_user_limit(1, policy)
+    assert caught.value.hint == (
+        "Release a claim, ask for fewer GPUs, or wait for your own claims to end with "
+        "`gpukit run --wait`."
+    )
+
+
+def test_a_gpu_whose_readings_are_unknown_ranks_as_idle_and_empty_ties_broken_by_index() -> None:
+    unknown_util, idle = _gpu(0, util=None), _gpu(1, util=0)
+    assert [g.index for g in best_first([idle, unknown_util], "util")] == [0, 1]
+    empty, unknown_free = _gpu(0, free=0), _gpu(1, free=None)
+    assert [g.index for g in best_first([unknown_free, empty], "util")] == [0, 1]
+    assert [g.index for g in best_first([unknown_free, empty], "free")] == [0, 1]
+    assert [g.index for g in best_first([unknown_free, empty, _gpu(2, free=1)])] == [2, 0, 1]
+    # 1 % busy ranks after idle, one byte more free memory ranks first
+    assert [g.index for g in best_first([_gpu(0, util=1), _gpu(1, util=0)], "util")] == [1, 0]
+    assert [g.index for g in best_first([_gpu(0, free=0), _gpu(1, free=1)], "util")] == [1, 0]
+    inv = Inventory(gpus=(_gpu(0, free=GiB), _gpu(1, free=2 * GiB)))
+    assert [g.index for g in choose(inv, 2, Criteria.make(), claims={})] == [1, 0]
+
+
+@pytest.fixture
+def shared_a100(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The A100 server read through the fake NVML, with an empty lock folder of this user's."""
+    for granted in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
+        monkeypatch.delenv(granted, raising=False)
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(A100))
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(locks))
+    return locks
+
+
+def test_pick_reading_the_machine_keeps_the_order_asked_for(shared_a100: Path) -> None:
+    # 30 GiB free: 2 and 4 (79.1 GiB), 7 (77.2), 5 (67.4), 3 (41.0)
+    assert [g.index for g in gk.pick(3, min_free="30GiB")] == [2, 4, 7]
+    assert [g.index for g in gk.pick(3, min_free="30GiB", order="index")] == [2, 3, 4]
+
+
+def test_pick_reading_the_machine_chooses_only_among_the_granted_gpus_unless_all_gpus(
+    monkeypatch: pytest.MonkeyPatch, shared_a100: Path
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    assert [g.index for g in gk.pick(1, min_free="30GiB")] == [4]
+    assert [g.index for g in gk.pick(1, min_free="30GiB", order="index")] == [3]
+    assert [g.index for g in gk.pick(1, min_free="30GiB", all_gpus=True, order="index")] == [2]
+    with pytest.raises(NoGpuAvailableError) as caught:
+        gk.pick(3, min_free="30GiB")
+    assert "grants this process 2 (GPU 3, GPU 4)" in caught.value.message
+
+
+def test_pick_reading_the_machine_applies_the_administrators_user_limit(shared_a100: Path) -> None:
+    policy = shared_a100 / "policy.toml"
+    policy.write_text("[limits]\nmax_gpus_per_user = 1\n")
+    policy.chmod(0o644)
+    assert [g.index for g in gk.pick(1)] == [2]
+    with pytest.raises(UserLimitError, match="Asked for 2 GPUs, but the policy"):
+        gk.pick(2)

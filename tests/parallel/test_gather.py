@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gpukit.errors import GatherError, InvalidArgumentError
 from gpukit.parallel import gather, scatter
+from gpukit.parallel.gather import gather_on
 
 from ._structures import Frozen, Pair, batches, map_tensors_and_leaves, same_structure
 
@@ -118,3 +119,86 @@ def test_gather_of_a_frozen_dataclass_keeps_it_frozen() -> None:
     out = gather([Frozen(torch.zeros(1), "a"), Frozen(torch.zeros(1), "b")], "cpu")
     assert isinstance(out, Frozen)
     assert out.tag == ["a", "b"]
+
+
+# -- what the user reads when outputs cannot be combined, and the exact edge cases ---------------
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message", "hint"),
+    [
+        (
+            [{"a": 1}, {"a": "x"}],
+            "gather found different types at outputs['a']: int, str.",
+            "Make the module return the same structure for every chunk of the batch.",
+        ),
+        (
+            [None, 1],
+            "gather found different types at outputs: NoneType, int.",
+            "Make the module return the same structure for every chunk of the batch.",
+        ),
+        (
+            [[torch.zeros(1)], [None]],
+            "gather found a tensor at outputs[0] in some replica outputs but not in others.",
+            "Make the module return a tensor there for every chunk of the batch.",
+        ),
+        (
+            [{"aux": {"x": 1}}, {"aux": {"y": 1, "x": 2}}],
+            "gather found dicts with different keys at outputs['aux']: ['x'] and ['x', 'y'].",
+            "Make the module return the same keys for every chunk of the batch.",
+        ),
+        (
+            [(1, 2), (1, 2), (1,)],
+            "gather found tuples of lengths [1, 2] at outputs.",
+            "Make the module return sequences of one length for every chunk.",
+        ),
+        (
+            [torch.zeros(2, 3), torch.zeros(2, 4)],
+            "gather cannot concatenate outputs along dim 0: the replicas returned shapes "
+            "[(2, 3), (2, 4)].",
+            "Outputs must agree in every dimension but the gather dim; return 0-dim tensors for "
+            "per-replica scalars.",
+        ),
+        (
+            [torch.tensor(1.0), torch.zeros(2)],
+            "gather cannot concatenate outputs along dim 0: the replicas returned shapes "
+            "[(), (2,)].",
+            "Outputs must agree in every dimension but the gather dim; return 0-dim tensors for "
+            "per-replica scalars.",
+        ),
+        ([], "gather was given no outputs.", "Pass one output per replica that ran."),
+    ],
+    ids=["types", "none", "tensor", "keys", "lengths", "shapes", "scalar", "empty"],
+)
+def test_outputs_that_cannot_be_combined_are_refused_naming_where_and_what_to_change(
+    outputs: list[object], message: str, hint: str
+) -> None:
+    with pytest.raises((GatherError, InvalidArgumentError)) as caught:
+        gather(outputs, "cpu")
+    assert (caught.value.message, caught.value.hint) == (message, hint)  # type: ignore[union-attr]
+
+
+def test_gather_along_a_dim_the_outputs_lack_names_it() -> None:
+    with pytest.raises(GatherError) as caught:
+        gather([torch.zeros(2), torch.zeros(2)], "cpu", dim=1)
+    assert caught.value.message == (
+        "gather cannot concatenate outputs along dim 1: the replicas returned shapes [(2,), (2,)]."
+    )
+
+
+def test_gather_of_one_replica_gives_its_output_and_its_loss_as_a_vector() -> None:
+    out = gather([{"y": torch.tensor([[1.0, 2.0]]), "loss": torch.tensor(3.0), "n": 4}], "cpu")
+    assert out["y"].tolist() == [[1.0, 2.0]]
+    assert out["loss"].tolist() == [3.0]
+    assert out["n"] == [4]
+    assert gather([None, None, None], "cpu") is None
+
+
+def test_gather_concatenates_along_a_dim_counted_from_the_end() -> None:
+    out = gather([torch.tensor([[1], [2]]), torch.tensor([[3], [4]])], "cpu", dim=-1)
+    assert out.tolist() == [[1, 3], [2, 4]]
+
+
+def test_gather_on_a_parsed_device_concatenates_along_dim_0_by_default() -> None:
+    out = gather_on([torch.tensor([[1, 2]]), torch.tensor([[3, 4]])], torch.device("cpu"))
+    assert out.tolist() == [[1, 2], [3, 4]]

@@ -119,3 +119,106 @@ def test_scatter_to_one_device_gives_back_the_same_batch(size: int, data: st.Dat
     batch = data.draw(batches(size))
     (only,) = scatter(batch, ["cpu"])
     assert same_structure(only, batch)
+
+
+# -- exact answers at the edges, and what the user reads -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("total", "replicas", "min_chunk", "sizes"),
+    [
+        (0, 4, 1, [0]),
+        (1, 1, 1, [1]),
+        (8, 4, 1, [2, 2, 2, 2]),
+        (10, 4, 1, [3, 3, 2, 2]),
+        (8, 4, 2, [2, 2, 2, 2]),
+        (8, 4, 3, [4, 4]),
+        (3, 4, 5, [3]),
+    ],
+)
+def test_chunk_sizes_split_a_batch_exactly_so(
+    total: int, replicas: int, min_chunk: int, sizes: list[int]
+) -> None:
+    assert chunk_sizes(total, replicas, min_chunk=min_chunk) == sizes
+
+
+def test_chunk_sizes_refuse_no_replicas_and_a_minimum_below_one() -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        chunk_sizes(4, 0)
+    assert (caught.value.message, caught.value.hint) == (
+        "chunk_sizes was asked for 0 replicas.",
+        "Pass at least one device.",
+    )
+    assert chunk_sizes(4, 1) == [4]
+    assert chunk_sizes(3, 4) == [1, 1, 1]  # by default a chunk may hold one sample
+    with pytest.raises(InvalidArgumentError) as caught:
+        chunk_sizes(4, 2, min_chunk=0)
+    assert (caught.value.message, caught.value.hint) == (
+        "min_chunk=0 is below 1.",
+        "Use min_chunk=1 (the default) or more.",
+    )
+
+
+def test_scatter_moves_each_chunk_to_its_device() -> None:
+    parts = scatter({"x": torch.zeros(5, 2), "n": 1}, ["meta", "cpu"])
+    assert [p["x"].device.type for p in parts] == ["meta", "cpu"]
+    assert [tuple(p["x"].shape) for p in parts] == [(3, 2), (2, 2)]
+    (only,) = scatter({"x": torch.zeros(5, 2)}, ["meta"])
+    assert only["x"].device.type == "meta"
+    assert tuple(only["x"].shape) == (5, 2)
+
+
+def test_scatter_splits_along_a_dim_counted_from_the_end() -> None:
+    parts = scatter(torch.arange(6).reshape(1, 6), ["cpu"] * 2, dim=-1)
+    assert [p.tolist() for p in parts] == [[[0, 1, 2]], [[3, 4, 5]]]
+    parts = scatter(torch.arange(6).reshape(3, 2), ["cpu"] * 2, dim=-2)
+    assert [p.tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5]]]
+
+
+@pytest.mark.parametrize("dim", [1, -2])
+def test_scatter_names_the_tensor_that_lacks_the_split_dim(dim: int) -> None:
+    with pytest.raises(ScatterError) as caught:
+        scatter({"x": torch.zeros(4)}, CPU4, dim=dim)
+    assert caught.value.message == (
+        f"scatter was asked to split along dim {dim}, but inputs['x'] has shape (4,) and so no "
+        f"dim {dim}."
+    )
+    assert caught.value.hint == (
+        "Give every tensor in the batch that dimension, or pass values that are the same for "
+        "every replica as Python numbers."
+    )
+
+
+def test_scatter_names_at_most_three_paths_per_size_when_tensors_disagree() -> None:
+    batch = [torch.zeros(4)] * 5 + [torch.zeros(3)]
+    with pytest.raises(ScatterError) as caught:
+        scatter(batch, CPU4)
+    assert caught.value.message == (
+        "scatter was asked to split a batch along dim 0, but its tensors disagree in size "
+        "there: 4 (inputs[0], inputs[1], inputs[2] and 2 more); 3 (inputs[5])."
+    )
+    assert caught.value.hint == (
+        "Every tensor in a batch must hold the same number of samples along the split dim; "
+        "pass per-batch constants as Python values instead."
+    )
+    batch = [torch.zeros(4)] * 3 + [torch.zeros(3)]
+    with pytest.raises(ScatterError, match=r"4 \(inputs\[0\], inputs\[1\], inputs\[2\]\); 3"):
+        scatter(batch, CPU4)
+    batch = [torch.zeros(4)] * 4 + [torch.zeros(3)]
+    with pytest.raises(ScatterError, match=r"inputs\[2\] and 1 more\); 3 \(inputs\[4\]\)"):
+        scatter(batch, CPU4)
+
+
+def test_scatter_to_no_device_says_to_pass_one() -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        scatter(torch.zeros(2), [])
+    assert (caught.value.message, caught.value.hint) == (
+        "scatter was given no devices.",
+        'Pass at least one, for example ["cpu"].',
+    )
+
+
+def test_scatter_gives_each_replica_its_own_samples_of_a_tensor_passed_twice() -> None:
+    x = torch.arange(4)
+    parts = scatter((x, x), ["cpu"] * 2)
+    assert [[t.tolist() for t in p] for p in parts] == [[[0, 1], [0, 1]], [[2, 3], [2, 3]]]
