@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 from hypothesis import settings
@@ -122,3 +124,24 @@ def run_cli() -> CliRunner:
         )
 
     return run
+
+
+NOBODY = 65534
+"""The uid a test acts as when it plays another user of the machine (needs root)."""
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to act as another user (uid 65534)"
+)
+
+
+@pytest.fixture
+def alarm() -> Iterator[None]:
+    """Fail (instead of hanging the test run) if the code under test blocks for 5 seconds."""
+
+    def fail(signum: int, frame: FrameType | None) -> None:
+        raise AssertionError("blocked")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(5)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

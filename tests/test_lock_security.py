@@ -7,12 +7,10 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 
 import pytest
 from hypothesis import given, settings
@@ -21,15 +19,11 @@ from hypothesis import strategies as st
 from gpukit.errors import LockFolderError, UnsafeLockFileError
 from gpukit.gpus.claims import Holder, _read_holder, claim, current_claims
 from gpukit.gpus.lockfiles import owner_name
-from tests.conftest import CliRunner
+from tests.conftest import NOBODY, CliRunner, as_root
 
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
 UUID_A = "GPU-00000000-0000-0000-0000-00000000000a"
 UUID_B = "GPU-00000000-0000-0000-0000-00000000000b"
-NOBODY = 65534
-as_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root to act as another user (uid 65534)"
-)
 
 
 @pytest.fixture(autouse=True)
@@ -48,20 +42,6 @@ def victim(tmp_path: Path) -> Path:
     path.parent.mkdir()
     path.write_text("export PATH=$HOME/bin:$PATH\n")
     return path
-
-
-@pytest.fixture
-def alarm() -> Iterator[None]:
-    """Fail instead of hanging when the code under test blocks for 5 seconds."""
-
-    def fail(signum: int, frame: FrameType | None) -> None:
-        raise AssertionError("blocked")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(5)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def _hold(path: Path, record: bytes) -> int:

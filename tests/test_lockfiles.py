@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 
 import pytest
 
 from gpukit.errors import ExitCode, LockFolderError, UnsafeLockFileError
 from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder
-
-NOBODY = 65534
-as_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root to make files owned by another user (uid 65534)"
-)
+from tests.conftest import NOBODY, as_root
 
 
 @pytest.fixture
@@ -47,20 +41,6 @@ def public_tmp() -> Iterator[Path]:
     path.chmod(0o755)
     yield path
     shutil.rmtree(path)
-
-
-@pytest.fixture
-def alarm() -> Iterator[None]:
-    """Fail (instead of hanging the test run) if the code under test blocks for 5 seconds."""
-
-    def fail(signum: int, frame: FrameType | None) -> None:
-        raise AssertionError("blocked")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(5)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_new_lock_file_is_created_shared_with_every_user(folder: Path) -> None:
