@@ -31,8 +31,12 @@ CORE: dict[str, list[str]] = {
     "gpukit.gpus.line": ["tests/test_waiting.py"],
     "gpukit.gpus.waiting": ["tests/test_waiting.py", "tests/test_acquire.py"],
     "gpukit.gpus.lockfiles": ["tests/test_lockfiles.py", "tests/test_lock_security.py"],
-    "gpukit.gpus.visible": ["tests/test_visible.py", "tests/test_visible_boundaries.py"],
-    "gpukit.transfer": ["tests/test_transfer.py"],
+    "gpukit.gpus.visible": [
+        "tests/test_visible.py",
+        "tests/test_visible_boundaries.py",
+        "tests/test_granted.py",
+    ],
+    "gpukit.transfer": ["tests/test_transfer.py", "tests/parallel/test_data_parallel.py"],
     "gpukit.parallel.scatter": ["tests/parallel/test_scatter.py"],
     "gpukit.parallel.gather": [
         "tests/parallel/test_gather.py",
