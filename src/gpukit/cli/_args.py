@@ -166,3 +166,16 @@ class OutputFile:
                 "in a folder you can write."
             )
         return None
+
+
+def add_watch(parser: argparse.ArgumentParser) -> None:
+    """``--watch [SECONDS]``: the live view that ``gpukit list`` and ``gpukit queue`` share."""
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=Seconds(positive=True),
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one document a line",
+    )

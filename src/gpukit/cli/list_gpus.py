@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from gpukit.cli._args import Seconds
+from gpukit.cli._args import Seconds, add_watch
 from gpukit.cli._gpu_table import build_table
 from gpukit.cli._lock_folder import LockFolderState, read_lock_folder
 from gpukit.cli._output import na, print_json
@@ -28,15 +28,7 @@ if TYPE_CHECKING:
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the arguments of ``gpukit list``."""
     parser.add_argument("--json", action="store_true", help="print JSON (with a schema field)")
-    parser.add_argument(
-        "--watch",
-        nargs="?",
-        type=Seconds(positive=True),
-        const=2.0,
-        default=None,
-        metavar="SECONDS",
-        help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one document a line",
-    )
+    add_watch(parser)
     remote = parser.add_argument_group("other machines (over ssh, nothing to install there)")
     remote.add_argument(
         "--hosts",

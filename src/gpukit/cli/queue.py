@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from gpukit.cli._args import Seconds
+from gpukit.cli._args import Seconds, add_watch
 from gpukit.cli._output import human_bytes, na, print_json, say_if_fake
 from gpukit.gpus.sharing import IDLE_AFTER_S, Sharing, sharing
 
@@ -26,15 +26,7 @@ if TYPE_CHECKING:
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the arguments of ``gpukit queue``."""
     parser.add_argument("--json", action="store_true", help="print JSON (schema gpukit.queue/1)")
-    parser.add_argument(
-        "--watch",
-        nargs="?",
-        type=Seconds(positive=True),
-        const=2.0,
-        default=None,
-        metavar="SECONDS",
-        help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one document a line",
-    )
+    add_watch(parser)
     parser.add_argument(
         "--idle-after",
         type=Seconds(positive=True, unit="minutes"),
