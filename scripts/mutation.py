@@ -80,8 +80,13 @@ def run_module(
     keep: Path | None,
     children: int | None = None,
     keep_scratch: bool = False,
+    only: list[str] | None = None,
 ) -> dict[str, int | float | str]:
-    """Mutate ``module`` in a scratch copy, run its tests against each mutant, return the counts."""
+    """Mutate ``module`` in a scratch copy, run its tests against each mutant, return the counts.
+
+    With ``only``, just those mutants are tested (the survivors of an earlier run, after new
+    tests were added): the counts then cover those mutants alone.
+    """
     present = [t for t in tests if (ROOT / t).exists()]
     if not present:
         raise SystemExit(f"{module}: none of its test files exist: {tests}")
@@ -95,7 +100,11 @@ def run_module(
         pyproject = re.sub(r"\n\[tool\.mutmut\]\n(?:[^\[].*\n|\n)*", "\n", pyproject)
         (scratch / "pyproject.toml").write_text(pyproject + _config(module, present))
         limit = [] if children is None else ["--max-children", str(children)]
-        subprocess.run([sys.executable, "-m", "mutmut", "run", *limit], cwd=scratch, check=False)
+        subprocess.run(
+            [sys.executable, "-m", "mutmut", "run", *limit, *(only or [])],
+            cwd=scratch,
+            check=False,
+        )
         subprocess.run(
             [sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=scratch, check=True
         )
@@ -115,7 +124,12 @@ def run_module(
             print(f"{module}: scratch copy kept in {scratch} (`mutmut show NAME` there)")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
-    tested = int(stats.get("total", 0)) - int(stats.get("skipped", 0))
+    # Mutants left out by `only` are counted as "not_checked".
+    tested = (
+        int(stats.get("total", 0))
+        - int(stats.get("skipped", 0))
+        - int(stats.get("not_checked", 0))
+    )
     killed = int(stats.get("killed", 0)) + int(stats.get("timeout", 0))
     return {
         "module": module,
@@ -138,6 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the scratch copy to read survivors' diffs"
     )
+    parser.add_argument(
+        "--tests", nargs="+", metavar="FILE", help="run these test files instead of --list's"
+    )
+    parser.add_argument(
+        "--only",
+        type=Path,
+        metavar="SURVIVORS",
+        help="test only the mutants named in this file (one module's --survivors output)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for module, tests in CORE.items():
@@ -146,9 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.modules if m not in CORE]
     if unknown:
         parser.error(f"not a core module: {', '.join(unknown)} (see --list)")
+    modules = args.modules or list(CORE)
+    if (args.tests or args.only) and len(modules) != 1:
+        parser.error("--tests and --only take exactly one module")
+    only = None
+    if args.only:
+        only = re.findall(r"^\s*(\S+): (?:survived|no tests)", args.only.read_text(), re.M)
+        if not only:
+            parser.error(f"{args.only}: no survivors listed")
     results = [
-        run_module(m, CORE[m], args.survivors, args.max_children, args.keep)
-        for m in (args.modules or CORE)
+        run_module(m, args.tests or CORE[m], args.survivors, args.max_children, args.keep, only)
+        for m in modules
     ]
     print(f"\n{'module':32} {'mutants':>8} {'killed':>7} {'survived':>9} {'score':>6}")
     for r in results:
