@@ -22,6 +22,24 @@ settings.load_profile("gpukit")
 MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
 
 
+def _still_ignored(signum: int, frame: FrameType | None) -> None:
+    """Ignore the signal here, as the runner asked, without passing that on through exec."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the commands the tests start the signal defaults of a terminal.
+
+    Started in the background by a script (``pytest &``) or under ``nohup``, pytest inherits
+    SIGINT or SIGHUP ignored, and so would every command a test starts: Ctrl-C, ``--watch``'s
+    interruption and a hang-up would never reach them, and the tests of those would fail for
+    the runner's sake, not gpukit's. A handler that does nothing still ignores the signal in
+    pytest itself, and exec resets it to the default in each command.
+    """
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            signal.signal(signum, _still_ignored)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ() -> Iterator[None]:
     """Undo every change a test makes to ``os.environ``.
