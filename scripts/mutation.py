@@ -124,12 +124,9 @@ def run_module(
             print(f"{module}: scratch copy kept in {scratch} (`mutmut show NAME` there)")
         else:
             shutil.rmtree(scratch, ignore_errors=True)
-    # Mutants left out by `only` are counted as "not_checked".
-    tested = (
-        int(stats.get("total", 0))
-        - int(stats.get("skipped", 0))
-        - int(stats.get("not_checked", 0))
-    )
+    # Counted from the outcomes, so that mutants an `only` run left out are not counted.
+    outcomes = ("killed", "timeout", "survived", "no_tests", "suspicious", "segfault")
+    tested = sum(int(stats.get(outcome, 0)) for outcome in outcomes)
     killed = int(stats.get("killed", 0)) + int(stats.get("timeout", 0))
     return {
         "module": module,
