@@ -35,6 +35,8 @@ CORE: dict[str, list[str]] = {
         "tests/test_visible.py",
         "tests/test_visible_boundaries.py",
         "tests/test_granted.py",
+        "tests/test_visible_rules.py",
+        "tests/test_granted_rules.py",
     ],
     "gpukit.transfer": ["tests/test_transfer.py", "tests/parallel/test_data_parallel.py"],
     "gpukit.parallel.scatter": ["tests/parallel/test_scatter.py"],
