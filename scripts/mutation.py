@@ -38,7 +38,11 @@ CORE: dict[str, list[str]] = {
         "tests/test_visible_rules.py",
         "tests/test_granted_rules.py",
     ],
-    "gpukit.transfer": ["tests/test_transfer.py", "tests/parallel/test_data_parallel.py"],
+    "gpukit.transfer": [
+        "tests/test_transfer.py",
+        "tests/parallel/test_data_parallel.py",
+        "tests/test_transfer_options.py",
+    ],
     "gpukit.parallel.scatter": ["tests/parallel/test_scatter.py"],
     "gpukit.parallel.gather": [
         "tests/parallel/test_gather.py",
@@ -59,7 +63,12 @@ CORE: dict[str, list[str]] = {
         "tests/test_distributed.py",
         "tests/test_distributed_loader_epochs.py",
     ],
-    "gpukit._tree": ["tests/test_tree.py", "tests/test_transfer.py"],
+    "gpukit._tree": [
+        "tests/test_tree.py",
+        "tests/test_transfer.py",
+        "tests/test_tree_contract.py",
+        "tests/test_transfer_options.py",
+    ],
 }
 
 
