@@ -58,10 +58,15 @@ CORE: dict[str, list[str]] = {
         "tests/test_checkpoint_atomic.py",
         "tests/test_checkpoint_durability.py",
     ],
-    "gpukit.memory.batch_size": ["tests/test_batch_size.py"],
+    "gpukit.memory.batch_size": [
+        "tests/test_batch_size.py",
+        "tests/test_batch_size_across_processes.py",
+        "tests/test_batch_size_log.py",
+    ],
     "gpukit.distributed.data": [
         "tests/test_distributed.py",
         "tests/test_distributed_loader_epochs.py",
+        "tests/test_distributed_loader_rules.py",
     ],
     "gpukit._tree": [
         "tests/test_tree.py",
