@@ -303,7 +303,6 @@ class DistributedLoader:
         self.world_size = world_size
         self._epoch = 0
         self._epoch_set = False
-        self.produced = 0
         self.current_len = 0
         self.current_global_len = 0
 
@@ -320,13 +319,11 @@ class DistributedLoader:
         sizes = [len(b) for b in self.sampler.global_batches()]
         # A set_epoch before this pass is used up now; only one during it chooses the next pass.
         self._epoch_set = False
-        self.produced = 0
         self.current_len = 0
         self.current_global_len = 0
         _ACTIVE.append(self)
         try:
             for step, batch in enumerate(self.loader):
-                self.produced += self.current_len
                 self.current_global_len = sizes[step]
                 self.current_len = len(share(sizes[step], self.world_size, self.rank))
                 yield to_device(batch, self.device)
