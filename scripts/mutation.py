@@ -28,9 +28,18 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE: dict[str, list[str]] = {
     "gpukit.gpus.claims": ["tests/test_claims.py", "tests/test_lock_security.py"],
     "gpukit.gpus.select": ["tests/test_select.py", "tests/test_pick_boundaries.py"],
-    "gpukit.gpus.line": ["tests/test_waiting.py"],
-    "gpukit.gpus.waiting": ["tests/test_waiting.py", "tests/test_acquire.py"],
-    "gpukit.gpus.lockfiles": ["tests/test_lockfiles.py", "tests/test_lock_security.py"],
+    "gpukit.gpus.line": ["tests/test_waiting.py", "tests/test_line_what_counts.py"],
+    "gpukit.gpus.waiting": [
+        "tests/test_waiting.py",
+        "tests/test_acquire.py",
+        "tests/test_policy.py",
+        "tests/test_waiting_rules.py",
+    ],
+    "gpukit.gpus.lockfiles": [
+        "tests/test_lockfiles.py",
+        "tests/test_lockfiles_refusals.py",
+        "tests/test_lock_security.py",
+    ],
     "gpukit.gpus.visible": [
         "tests/test_visible.py",
         "tests/test_visible_boundaries.py",
