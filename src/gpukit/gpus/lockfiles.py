@@ -76,6 +76,7 @@ def owner_name(uid: int) -> str:
 
 def _kind(mode: int) -> str:
     kinds = {
+        stat.S_ISREG: "a regular file",
         stat.S_ISDIR: "a folder",
         stat.S_ISFIFO: "a FIFO (named pipe)",
         stat.S_ISLNK: "a symbolic link",
@@ -157,7 +158,9 @@ def _create_folder(path: Path) -> None:
             return  # made by someone else meanwhile, or a link: the checks on open decide
     except OSError as exc:
         raise _refused(path, exc, "create the lock folder") from exc
-    with contextlib.suppress(OSError):  # the umask took some bits away; we own it
+    # The umask took some bits away; we own it. NotImplementedError: it is a link now (Linux
+    # cannot chmod a link itself), put there since: the checks on open refuse it.
+    with contextlib.suppress(OSError, NotImplementedError):
         os.chmod(path, SHARED_DIR_MODE, follow_symlinks=False)
 
 

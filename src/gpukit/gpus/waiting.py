@@ -45,6 +45,10 @@ from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_err
 
 __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
 
+# The line ignores a ticket whose record is over 64 KiB: a long command is cut, so that its
+# waiter keeps its place (JSON writes a character in up to 12 bytes: 4096 of them fit).
+_MAX_COMMAND = 4096
+
 
 class Ticket:
     """This process's place in the line of waiters; :meth:`close` leaves the line.
@@ -71,7 +75,7 @@ class Ticket:
             "uid": uid,
             "n": n,
             "criteria": criteria,
-            "command": command if command is not None else " ".join(sys.argv),
+            "command": (command if command is not None else " ".join(sys.argv))[:_MAX_COMMAND],
             "since": time.time(),
         }
         # Locked and written before it gets its visible name, so that no one ever sees it
