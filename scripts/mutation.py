@@ -62,10 +62,18 @@ CORE: dict[str, list[str]] = {
         "tests/test_checkpoint_load.py",
         "tests/test_checkpoint_which_weights.py",
     ],
-    "gpukit.checkpoint.io": ["tests/test_checkpoint_load.py", "tests/test_checkpoint_save.py"],
+    "gpukit.checkpoint.io": [
+        "tests/test_checkpoint_load.py",
+        "tests/test_checkpoint_save.py",
+        "tests/test_checkpoint_which_weights.py",
+        "tests/test_checkpoint_folders.py",
+        "tests/test_checkpoint_reading.py",
+    ],
     "gpukit.checkpoint.atomic": [
         "tests/test_checkpoint_atomic.py",
         "tests/test_checkpoint_durability.py",
+        "tests/test_checkpoint_folders.py",
+        "tests/test_checkpoint_atomic_writes.py",
     ],
     "gpukit.memory.batch_size": [
         "tests/test_batch_size.py",

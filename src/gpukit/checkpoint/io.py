@@ -6,6 +6,7 @@ The format is read from the first bytes, never from the name: a torch.save file 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import pickle
@@ -80,7 +81,8 @@ def file_format(path: Path) -> str:
     if head.startswith((b"\x93NUMPY", b"\x89HDF")):
         return "numpy or HDF5 data"
     try:
-        head.decode("utf-8")
+        # Incremental: the 64 bytes may end inside a character, which is still text.
+        codecs.getincrementaldecoder("utf-8")().decode(head)
     except UnicodeDecodeError:
         return "unknown binary data"
     return "text"
@@ -173,7 +175,9 @@ def _read_torch(
         # Classes of a script run as __main__ are looked up in whatever __main__ loads the file.
         where = "the script that saved it" if module.endswith("__main__") else module
         raise _missing_code(path, f"{name} (from {where})") from None
-    except (RuntimeError, EOFError, ValueError, KeyError, OSError) as exc:
+    except Exception as exc:
+        # Whatever else a damaged file makes torch's readers raise: RuntimeError, EOFError,
+        # and from a pickle cut short or altered IndexError, struct.error, AssertionError...
         raise unreadable_error(path, TORCH, exc) from None
     return content, recorder
 
