@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -53,6 +55,15 @@ def _restore_environ() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    """A temporary folder another user can reach (pytest's own are private to their owner)."""
+    path = Path(tempfile.mkdtemp(prefix="gpukit-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
 
 
 BENCH_EXTRA = frozenset({"accelerate", "lightning", "matplotlib", "nvitop", "gpustat"})

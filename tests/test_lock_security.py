@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,15 +212,6 @@ def test_gpukit_list_shows_a_hostile_record_without_breaking(
     assert f"{owner_name(os.geteuid())} (pid {os.getpid()}:" in table.stdout
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout)["claims"][uuid]["pid"] == os.getpid()
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    """A temporary folder another user can reach (pytest's own are private to their owner)."""
-    path = Path(tempfile.mkdtemp(prefix="gpukit-test-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path)
 
 
 @as_root

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,15 +29,6 @@ def victim(tmp_path: Path) -> Path:
     path.parent.mkdir()
     path.write_text("four years of work")
     return path
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    """A temporary folder another user can reach (pytest's own are private to their owner)."""
-    path = Path(tempfile.mkdtemp(prefix="gpukit-test-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path)
 
 
 def test_a_new_lock_file_is_created_shared_with_every_user(folder: Path) -> None:

@@ -11,11 +11,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import socket
 import stat
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,15 +44,6 @@ def folder(tmp_path: Path) -> Path:
     path.mkdir()
     path.chmod(0o1777)
     return path
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    """A temporary folder another user can reach (pytest's own are private to their owner)."""
-    path = Path(tempfile.mkdtemp(prefix="gpukit-test-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path)
 
 
 def _refusal(call: Callable[[], object]) -> tuple[str, str, str | None]:
