@@ -164,13 +164,13 @@ as_root = pytest.mark.skipif(
 
 @pytest.fixture
 def alarm() -> Iterator[None]:
-    """Fail (instead of hanging the test run) if the code under test blocks for 5 seconds."""
+    """Fail (instead of hanging the test run) if the code under test blocks for 30 seconds."""
 
     def fail(signum: int, frame: FrameType | None) -> None:
         raise AssertionError("blocked")
 
     previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(5)
+    signal.alarm(30)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)

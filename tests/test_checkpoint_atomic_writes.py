@@ -271,9 +271,9 @@ def test_a_stale_temporary_another_save_removed_first_is_skipped(
     stale = _temporary(tmp_path, "m.pt", dead, "feedf00d")
     stale.write_bytes(b"half")
     real = Path.iterdir
-    monkeypatch.setattr(Path, "iterdir", lambda self: iter([gone, *real(self)]))
-    atomic_write(tmp_path / "m.pt", _writes(b"new"))
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "iterdir", lambda self: iter([gone, *real(self)]))
+        atomic_write(tmp_path / "m.pt", _writes(b"new"))
     assert _names(tmp_path) == ["m.pt"]
 
 
@@ -291,9 +291,9 @@ def test_another_users_temporary_does_not_stop_the_cleanup_of_this_users(
     real = Path.iterdir
     # whatever order the folder lists them in
     listed = (lambda p: p != theirs) if theirs_first else (lambda p: p == theirs)
-    monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(real(self), key=listed)))
-    atomic_write(tmp_path / "m.pt", _writes(b"new"))
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "iterdir", lambda self: iter(sorted(real(self), key=listed)))
+        atomic_write(tmp_path / "m.pt", _writes(b"new"))
     assert _names(tmp_path) == sorted(["m.pt", theirs.name])
 
 

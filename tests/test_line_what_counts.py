@@ -300,9 +300,9 @@ def test_the_line_is_read_in_the_queue_folder_that_was_opened_not_one_put_in_its
         return fd
 
     with Ticket() as waiter:
-        monkeypatch.setattr(line_module, "open_folder", swapped)
-        line = read_line()
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(line_module, "open_folder", swapped)
+            line = read_line()
         os.rmdir(waiter.queue)
         os.rename(moved, waiter.queue)
     assert [w.ticket for w in line.waiters] == [waiter.name]

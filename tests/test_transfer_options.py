@@ -216,7 +216,7 @@ class Recorder:
 @pytest.mark.parametrize(
     ("non_blocking", "passed"), [("auto", False), (False, False), (True, True)]
 )
-def test_an_objects_to_gets_the_device_and_non_blocking_only_when_asked_for(
+def test_an_objects_to_gets_the_device_and_non_blocking_true_only_when_asked_for(
     non_blocking: Any, passed: bool
 ) -> None:
     moved = gk.to_device({"obj": Recorder()}, META, non_blocking=non_blocking)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gc
 import json
 import os
 import pwd
@@ -100,6 +101,8 @@ def _polls(
 
 
 def _open_fds() -> set[str]:
+    """This process's open descriptors, after the collector closed what earlier tests dropped."""
+    gc.collect()
     return set(os.listdir("/proc/self/fd"))
 
 
@@ -218,7 +221,7 @@ def test_a_full_disk_while_writing_a_ticket_is_a_lock_folder_error_that_leaves_n
         5,
     )
     assert os.listdir(locks / "queue") == []
-    assert _open_fds() == before
+    assert _open_fds() <= before
 
 
 def test_a_ticket_that_cannot_be_created_raises_the_lock_folders_error_and_leaks_nothing(
@@ -234,7 +237,7 @@ def test_a_ticket_that_cannot_be_created_raises_the_lock_folders_error_and_leaks
     with pytest.raises(LockFolderError) as caught:
         Ticket()
     assert caught.value is refusal
-    assert _open_fds() == before
+    assert _open_fds() <= before
 
 
 def test_closing_a_ticket_twice_is_harmless_and_a_closed_ticket_sees_no_line() -> None:
@@ -246,7 +249,7 @@ def test_closing_a_ticket_twice_is_harmless_and_a_closed_ticket_sees_no_line() -
         assert not ticket.path.exists()
         assert ticket.line() == Line()
         assert [w.ticket for w in still_waiting.line().waiters] == [still_waiting.name]
-    assert _open_fds() == before
+    assert _open_fds() <= before
 
 
 def test_closing_a_ticket_someone_already_removed_is_harmless() -> None:
@@ -351,7 +354,7 @@ def test_too_few_gpus_that_could_ever_qualify_is_refused_at_once_naming_each_gpu
 
 
 def test_a_request_the_policy_never_allows_is_refused_at_once_naming_what_the_user_holds(
-    other: Path,
+    other: Path, clock: Clock
 ) -> None:
     gpu0 = inventory().gpus[0]
     with claim([gpu0], folder=other), pytest.raises(UserLimitError) as caught:
