@@ -91,6 +91,12 @@ def test_launch_returns_each_ranks_result_in_rank_order(session: dict[str, Any])
     ]
 
 
+def test_launch_gives_the_caller_back_its_signal_handlers(session: dict[str, Any]) -> None:
+    # torch's elastic agent leaves its own: Ctrl-C would then raise SignalException, not
+    # KeyboardInterrupt, and a script under nohup would die on a hang-up.
+    assert session["signal_handlers_kept"] is True
+
+
 def test_launched_processes_use_gloo_and_their_local_rank_on_cpu(
     session: dict[str, Any],
 ) -> None:

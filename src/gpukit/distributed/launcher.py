@@ -8,16 +8,19 @@ worker fails the agent stops the others, and the failure comes back as a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -181,6 +184,34 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...], start_method
         ) from None
 
 
+# The signals torch's elastic agent takes over (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """Give the caller back its signal handlers once the launch is over.
+
+    The elastic agent installs handlers that raise ``SignalException`` for SIGTERM, SIGINT,
+    SIGHUP and SIGQUIT and leaves them in place: after ``launch`` returned, Ctrl-C would raise
+    that instead of KeyboardInterrupt, and a script run under ``nohup`` would die on a hang-up.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # the agent installs nothing outside the main thread
+        return
+    kept = {
+        signum: signal.getsignal(signum)
+        for name in _AGENT_SIGNALS
+        if (signum := getattr(signal, name, None)) is not None
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            if handler is not None:  # None: set outside Python, nothing to give back
+                signal.signal(signum, handler)
+
+
 def launch(
     fn: Callable[..., R],
     nprocs: int,
@@ -221,7 +252,7 @@ def launch(
         monitor_interval=0.1,
         start_method=start_method,
     )
-    with tempfile.TemporaryDirectory(prefix="gpukit-launch-") as reports:
+    with tempfile.TemporaryDirectory(prefix="gpukit-launch-") as reports, _signals_kept():
         try:
             results = elastic_launch(config, _worker)(fn, backend, args, reports)
         except ChildFailedError as exc:
