@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -164,6 +165,10 @@ def init(
 
 def _leave() -> None:
     if dist.is_initialized():
+        # A DistributedDataParallel model kept only by its own reference cycles still holds the
+        # group; collected later, during interpreter teardown, it takes the group's threads
+        # down with it there, which can abort. Free it now, while Python is whole.
+        gc.collect()
         dist.destroy_process_group()
 
 
