@@ -200,7 +200,10 @@ if pid == 0:
         signal.signal(s, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     os.execv(sys.executable, [sys.executable, "-m", "gpukit", *sys.argv[2:]])
-os.setpgid(pid, pid)
+try:  # as shells do: the child may have set its group and run gpukit already
+    os.setpgid(pid, pid)
+except PermissionError:
+    pass
 os.tcsetpgrp(0, pid)
 while True:
     _, status = os.waitpid(pid, os.WUNTRACED)
