@@ -174,3 +174,11 @@ def alarm() -> Iterator[None]:
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def cuda_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process has not started CUDA (even where an earlier test on a GPU machine did)."""
+    import gpukit.gpus.visible as visible
+
+    monkeypatch.setattr(visible, "_cuda_initialized", lambda: False)

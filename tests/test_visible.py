@@ -181,6 +181,7 @@ def test_visible_devices_without_a_driver_still_parses(
 
 def test_set_visible_devices_sets_the_variable_and_pci_order(
     monkeypatch: pytest.MonkeyPatch,
+    cuda_not_started: None,
 ) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
@@ -190,7 +191,7 @@ def test_set_visible_devices_sets_the_variable_and_pci_order(
 
 
 def test_set_visible_devices_accepts_gpus_from_the_inventory(
-    machine: UseMachine, monkeypatch: pytest.MonkeyPatch
+    machine: UseMachine, monkeypatch: pytest.MonkeyPatch, cuda_not_started: None
 ) -> None:
     inv = machine("kaggle-2xT4-idle")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -199,6 +200,7 @@ def test_set_visible_devices_accepts_gpus_from_the_inventory(
 
 def test_set_visible_devices_with_an_empty_list_hides_every_gpu(
     monkeypatch: pytest.MonkeyPatch,
+    cuda_not_started: None,
 ) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert gk.set_visible_devices([]) == ""

@@ -68,12 +68,6 @@ def use(monkeypatch: pytest.MonkeyPatch) -> UseMachine:
     return switch
 
 
-@pytest.fixture
-def cuda_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process has not started CUDA (even where an earlier test on a GPU machine did)."""
-    monkeypatch.setattr(visible, "_cuda_initialized", lambda: False)
-
-
 def _reads_as_sentences(error: GpukitError) -> None:
     assert error.message.endswith("."), error.message
     assert error.hint is not None
