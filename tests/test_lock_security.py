@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpukit.gpus.claims as claims_module
 from gpukit.errors import LockFolderError, UnsafeLockFileError
 from gpukit.gpus.claims import Holder, _read_holder, claim, current_claims
 from gpukit.gpus.lockfiles import owner_name
@@ -314,3 +320,119 @@ def test_a_holder_record_cannot_name_someone_else_as_the_holder(
             os.close(fd)
     assert (holder.user, holder.pid) == ("nobody", pid)
     assert holder.describe().startswith(f"nobody (pid {pid}")
+
+
+# -- which process the kernel says holds a lock --------------------------------------------------
+# The lock table is faked so that it can name processes of every kind; the lock is really held.
+
+_ALICE = {"user": "alice", "pid": os.getpid(), "host": "gpu1", "command": "python train.py"}
+_AS_WRITTEN = Holder("alice", os.getpid(), "gpu1", "python train.py", 1.7e9)
+
+
+@pytest.fixture
+def held(locks: Path) -> Iterator[int]:
+    """A lock file for UUID_A, held by this process, whose record says alice holds it."""
+    fd = _hold(locks / f"{UUID_A}.lock", json.dumps({**_ALICE, "since": 1.7e9}).encode())
+    try:
+        yield os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+
+
+def _lock_table(monkeypatch: pytest.MonkeyPatch, table: dict[int, frozenset[int]] | None) -> None:
+    monkeypatch.setattr(claims_module, "exclusive_flocks", lambda: table)
+
+
+@pytest.mark.parametrize("table", [None, {}], ids=["no lock table (not Linux)", "taken since"])
+def test_a_lock_missing_from_the_kernels_table_is_shown_as_its_record_says(
+    held: int, monkeypatch: pytest.MonkeyPatch, table: dict[int, frozenset[int]] | None
+) -> None:
+    _lock_table(monkeypatch, table)
+    assert current_claims()[UUID_A] == _AS_WRITTEN
+
+
+def test_a_holder_outside_this_pid_namespace_is_shown_as_its_record_says(
+    held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _lock_table(monkeypatch, {held: frozenset({0})})  # the kernel's pid 0: "not visible here"
+    assert current_claims()[UUID_A] == _AS_WRITTEN
+
+
+def test_a_lock_that_pid_1_holds_is_shown_as_pid_1s(
+    held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A container's main process is pid 1: it is a real holder, not "nobody".
+    _lock_table(monkeypatch, {held: frozenset({1})})
+    holder = current_claims()[UUID_A]
+    assert (holder.pid, holder.host, holder.since) == (1, None, None)
+    assert holder.user == owner_name(os.stat("/proc/1").st_uid)
+
+
+def test_where_proc_hides_the_holder_the_records_user_is_kept(
+    held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mounted with hidepid, /proc shows no other user's process: the record is all there is.
+    _lock_table(monkeypatch, {held: frozenset({os.getpid()})})
+    monkeypatch.setattr(claims_module, "process_uid", lambda _pid: None)
+    assert current_claims()[UUID_A] == _AS_WRITTEN
+
+
+def test_where_proc_shows_the_holder_its_user_replaces_the_records(
+    held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _lock_table(monkeypatch, {held: frozenset({os.getpid()})})
+    assert current_claims()[UUID_A] == replace(_AS_WRITTEN, user=owner_name(os.getuid()))
+
+
+@contextlib.contextmanager
+def _sleeper(*args: str | bytes) -> Iterator[int]:
+    """The pid of a process whose command line ends with ``args``, until the block ends."""
+    # Popen returns once the child has run exec, so /proc shows its own command line.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_SLEEPER = f"{sys.executable} -c import time; time.sleep(60)"
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["x" * 600], (_SLEEPER + " " + "x" * 600)[:500]),
+        ([b"caf\xe9", "au", "lait"], _SLEEPER + " caf\N{REPLACEMENT CHARACTER} au lait"),
+    ],
+    ids=["cut at 500 characters", "not UTF-8"],
+)
+def test_a_holder_the_record_does_not_name_is_shown_with_its_command_line(
+    held: int, monkeypatch: pytest.MonkeyPatch, args: list[str | bytes], shown: str
+) -> None:
+    with _sleeper(*args) as pid:
+        _lock_table(monkeypatch, {held: frozenset({pid})})
+        holder = current_claims()[UUID_A]
+    assert holder == Holder(owner_name(os.getuid()), pid, None, shown, None)
+
+
+def test_where_proc_hides_the_holder_its_user_is_unknown_not_the_records(
+    held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _sleeper() as pid:
+        _lock_table(monkeypatch, {held: frozenset({pid})})
+        monkeypatch.setattr(claims_module, "process_uid", lambda _pid: None)
+        holder = current_claims()[UUID_A]
+    assert holder == Holder(None, pid, None, _SLEEPER, None)
+    assert holder.describe().startswith(f"? (pid {pid}: ")
+
+
+def test_a_holder_whose_command_line_cannot_be_read_has_no_command(
+    held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pid above pid_max can never be running: its /proc entry cannot be read.
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    _lock_table(monkeypatch, {held: frozenset({gone})})
+    holder = current_claims()[UUID_A]
+    assert holder == Holder(None, gone, None, None, None)
+    assert holder.describe() == f"? (pid {gone})"
