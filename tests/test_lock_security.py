@@ -387,16 +387,22 @@ def test_where_proc_shows_the_holder_its_user_replaces_the_records(
 @contextlib.contextmanager
 def _sleeper(*args: str | bytes) -> Iterator[int]:
     """The pid of a process whose command line ends with ``args``, until the block ends."""
-    # Popen returns once the child has run exec, so /proc shows its own command line.
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    proc = subprocess.Popen([sys.executable, "-c", _SLEEP, *args], stdout=subprocess.PIPE)
     try:
+        # Popen returns as exec closes the descriptors, before the kernel has set the new
+        # command line (/proc reads it as empty until then): wait until the child runs.
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"up\n"
         yield proc.pid
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
-_SLEEPER = f"{sys.executable} -c import time; time.sleep(60)"
+_SLEEP = "import time; print('up', flush=True); time.sleep(60)"
+_SLEEPER = f"{sys.executable} -c {_SLEEP}"
 
 
 @pytest.mark.parametrize(
