@@ -62,17 +62,18 @@ def test_saved_torch_file_loads_with_bare_torch_into_the_plain_model(tmp_path: P
     gk.save(source, tmp_path / "m.pth")
     target = _net()
     target.load_state_dict(torch.load(tmp_path / "m.pth", weights_only=True))
-    assert torch.equal(target[0].weight, source.module[0].weight)
+    assert torch.equal(target[0].weight, source.module[0].weight.cpu())
 
 
 def test_save_records_versions_wrappers_devices_and_user_metadata(tmp_path: Path):
-    gk.save(nn.DataParallel(_net()), tmp_path / "m.safetensors", metadata={"epoch": 7})
+    model = nn.DataParallel(_net())  # moved onto the GPU where there is one
+    gk.save(model, tmp_path / "m.safetensors", metadata={"epoch": 7})
     with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as handle:
         info = json.loads(handle.metadata()["gpukit"])
     assert info["gpukit_version"] == gk.__version__
     assert info["torch_version"] == str(torch.__version__)
     assert info["wrappers_removed"] == ["DataParallel"]
-    assert info["devices"] == ["cpu"]
+    assert info["devices"] == [str(model.module[0].weight.device)]
     assert info["metadata"] == {"epoch": 7}
 
 

@@ -84,7 +84,7 @@ def test_convert_of_a_training_checkpoint_to_safetensors_keeps_weights_and_names
     assert result.returncode == 0, result.stderr
     assert "left out optimizer, epoch" in result.stdout
     assert list(load_file(out)) == ["weight", "bias"]
-    assert torch.equal(load_file(out)["weight"], model.module.weight.detach())
+    assert torch.equal(load_file(out)["weight"], model.module.weight.detach().cpu())
 
 
 def test_convert_cleans_keys_and_loads_into_the_plain_model_with_bare_safetensors(
