@@ -325,14 +325,17 @@ def test_a_holder_record_cannot_name_someone_else_as_the_holder(
 # -- which process the kernel says holds a lock --------------------------------------------------
 # The lock table is faked so that it can name processes of every kind; the lock is really held.
 
-_ALICE = {"user": "alice", "pid": os.getpid(), "host": "gpu1", "command": "python train.py"}
-_AS_WRITTEN = Holder("alice", os.getpid(), "gpu1", "python train.py", 1.7e9)
+
+def _as_written() -> Holder:
+    """The holder the ``held`` lock's record names: alice, in this process."""
+    return Holder("alice", os.getpid(), "gpu1", "python train.py", 1.7e9)
 
 
 @pytest.fixture
 def held(locks: Path) -> Iterator[int]:
     """A lock file for UUID_A, held by this process, whose record says alice holds it."""
-    fd = _hold(locks / f"{UUID_A}.lock", json.dumps({**_ALICE, "since": 1.7e9}).encode())
+    record = {"user": "alice", "pid": os.getpid(), "host": "gpu1", "command": "python train.py"}
+    fd = _hold(locks / f"{UUID_A}.lock", json.dumps({**record, "since": 1.7e9}).encode())
     try:
         yield os.fstat(fd).st_ino
     finally:
@@ -348,14 +351,14 @@ def test_a_lock_missing_from_the_kernels_table_is_shown_as_its_record_says(
     held: int, monkeypatch: pytest.MonkeyPatch, table: dict[int, frozenset[int]] | None
 ) -> None:
     _lock_table(monkeypatch, table)
-    assert current_claims()[UUID_A] == _AS_WRITTEN
+    assert current_claims()[UUID_A] == _as_written()
 
 
 def test_a_holder_outside_this_pid_namespace_is_shown_as_its_record_says(
     held: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _lock_table(monkeypatch, {held: frozenset({0})})  # the kernel's pid 0: "not visible here"
-    assert current_claims()[UUID_A] == _AS_WRITTEN
+    assert current_claims()[UUID_A] == _as_written()
 
 
 def test_a_lock_that_pid_1_holds_is_shown_as_pid_1s(
@@ -374,14 +377,14 @@ def test_where_proc_hides_the_holder_the_records_user_is_kept(
     # Mounted with hidepid, /proc shows no other user's process: the record is all there is.
     _lock_table(monkeypatch, {held: frozenset({os.getpid()})})
     monkeypatch.setattr(claims_module, "process_uid", lambda _pid: None)
-    assert current_claims()[UUID_A] == _AS_WRITTEN
+    assert current_claims()[UUID_A] == _as_written()
 
 
 def test_where_proc_shows_the_holder_its_user_replaces_the_records(
     held: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _lock_table(monkeypatch, {held: frozenset({os.getpid()})})
-    assert current_claims()[UUID_A] == replace(_AS_WRITTEN, user=owner_name(os.getuid()))
+    assert current_claims()[UUID_A] == replace(_as_written(), user=owner_name(os.getuid()))
 
 
 @contextlib.contextmanager
