@@ -16,7 +16,7 @@ from gpukit.distributed.data import (
     per_device_size,
     weighted_allreduce,
 )
-from gpukit.distributed.process_group import DistributedContext, _ready
+from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
 from gpukit.transfer import to_device
 
@@ -37,6 +37,7 @@ def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, 
     # Shares of a global batch may differ (the last batch of an epoch): weigh each rank's
     # gradient by its samples, not by 1/N, so the step is the one a single process takes.
     wrapped.register_comm_hook(SampleWeights(ctx.world_size), weighted_allreduce)
+    _leave_with_the_group(wrapped)
     return wrapped
 
 

@@ -10,11 +10,17 @@ import atexit
 import datetime
 import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+# Imported here, before any group exists: torch.distributed.nn takes the default group of the
+# moment it is first imported as its functions' default argument, and DistributedDataParallel
+# imports it (through torch._dynamo). Imported after init(), it would hold the group to the end.
+import torch.distributed.nn
 from torch import nn
 from torch.optim import Optimizer
 
@@ -149,8 +155,7 @@ def init(
         **kwargs,
     )
     # A group still alive at interpreter exit is torn down with its background threads running,
-    # which can abort the process ("terminate called without an active exception") after the
-    # script has finished its work: leave it cleanly instead.
+    # which can abort the process after the script has finished its work: leave it first.
     atexit.register(_leave)
     _context = DistributedContext(
         launch_env.rank,
@@ -163,12 +168,25 @@ def init(
     return _context
 
 
+# The DistributedDataParallel wrappers prepare() made, let go of the group when it is left.
+_wrappers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _leave_with_the_group(wrapper: nn.Module) -> None:
+    """Have ``wrapper`` (a DistributedDataParallel) let go of the group when gpukit leaves it."""
+    _wrappers.add(wrapper)
+
+
 def _leave() -> None:
     if dist.is_initialized():
-        # A DistributedDataParallel model kept only by its own reference cycles still holds the
-        # group; collected later, during interpreter teardown, it takes the group's threads
-        # down with it there, which can abort. Free it now, while Python is whole.
+        # Whatever still holds the group at exit (a model kept by reference cycles, or by the
+        # script's globals) would free it during interpreter teardown, with the group's threads
+        # still running, which can abort a process that finished its work ("terminate called
+        # without an active exception"). Let go of it now, while Python is whole.
         gc.collect()
+        for wrapper in list(_wrappers):
+            for held in ("reducer", "logger", "process_group"):  # the group is gone with them
+                setattr(wrapper, held, None)
         dist.destroy_process_group()
 
 
