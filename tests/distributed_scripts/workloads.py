@@ -113,6 +113,7 @@ def session(_: Any = None) -> dict[str, Any]:
 def failing(mode: str, pid_dir: str) -> None:
     """Rank 1 fails (raises, or is killed) while rank 0 waits for it in a collective."""
     Path(pid_dir, f"{os.getpid()}.pid").write_text(str(os.getpid()))
+    dist.barrier()  # both have started: rank 1 no longer fails before rank 0 has begun
     if dist.rank() == 1:
         if mode == "kill":
             os.kill(os.getpid(), 9)
