@@ -17,8 +17,7 @@ import re
 import shutil
 import signal
 import stat
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -306,25 +305,15 @@ def test_another_users_stale_temporary_is_never_touched(tmp_path: Path):
     assert theirs.read_bytes() == b"their data"
 
 
-@pytest.fixture
-def open_folder() -> Iterator[Path]:
-    """A folder every user can write to (pytest's tmp_path is private to its owner)."""
-    folder = Path(tempfile.mkdtemp(prefix="gpukit-atomic-"))
-    folder.chmod(0o777)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder)
-
-
 @as_root
-def test_a_temporary_of_a_running_process_of_another_user_is_kept(open_folder: Path):
+def test_a_temporary_of_a_running_process_of_another_user_is_kept(public_tmp: Path):
+    public_tmp.chmod(0o777)  # every user may write here
     # As NOBODY, a root process cannot be signalled (EPERM): it is running, so its temporary,
     # even one NOBODY owns, may still be being written.
-    running = _temporary(open_folder, "m.pt", os.getpid())
+    running = _temporary(public_tmp, "m.pt", os.getpid())
     running.write_bytes(b"being written")
     os.chown(running, NOBODY, NOBODY)
-    atomic_write(open_folder / "m.pt", _writes(b"root's"))  # root, who can signal it, keeps it
+    atomic_write(public_tmp / "m.pt", _writes(b"root's"))  # root, who can signal it, keeps it
     assert running.read_bytes() == b"being written"
     child = os.fork()
     if child == 0:
@@ -332,13 +321,13 @@ def test_a_temporary_of_a_running_process_of_another_user_is_kept(open_folder: P
         try:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            atomic_write(open_folder / "m.pt", _writes(b"new"))
+            atomic_write(public_tmp / "m.pt", _writes(b"new"))
             status = 0
         finally:
             os._exit(status)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert (open_folder / "m.pt").read_bytes() == b"new"
+    assert (public_tmp / "m.pt").read_bytes() == b"new"
     assert running.read_bytes() == b"being written"
 
 

@@ -154,9 +154,7 @@ def init(
         world_size=launch_env.world_size,
         **kwargs,
     )
-    # A group still alive at interpreter exit is torn down with its background threads running,
-    # which can abort the process after the script has finished its work: leave it first.
-    atexit.register(_leave)
+    atexit.register(_leave)  # before the interpreter's teardown: see _leave
     _context = DistributedContext(
         launch_env.rank,
         launch_env.local_rank,
