@@ -33,7 +33,6 @@ import atexit
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import time
 import uuid as uuid_module
@@ -44,7 +43,16 @@ from typing import Any
 
 from gpukit.errors import GpukitError, LockFolderError
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
-from gpukit.untrusted import InvalidInput, as_dict, as_float, as_int, as_list, as_str, parse_json
+from gpukit.untrusted import (
+    InvalidInput,
+    as_dict,
+    as_float,
+    as_int,
+    as_list,
+    as_str,
+    dumps,
+    parse_json,
+)
 
 SCHEMA = "gpukit.ledger/1"
 """The ``schema`` field of every ledger record."""
@@ -153,7 +161,7 @@ def _lock(fd: int, folder: Path) -> None:
 
 
 def _append(folder: Path, record: dict[str, Any]) -> None:
-    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    data = (dumps(record, separators=(",", ":")) + "\n").encode()  # finite numbers only
     try:
         # The files sit in the lock folder itself, held to its trust model, not in a folder of
         # their own: whoever made that folder could delete everyone's records in it.

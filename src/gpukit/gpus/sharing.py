@@ -26,7 +26,6 @@ What ``gpukit queue`` shows. Never imports torch.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import stat
@@ -46,7 +45,7 @@ from gpukit.gpus.line import Foreign
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import Criteria, assess
-from gpukit.untrusted import InvalidInput, as_dict, parse_json, read_bounded
+from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, read_bounded
 
 SCHEMA = "gpukit.queue/1"
 """The ``schema`` field of :meth:`Sharing.to_json`."""
@@ -440,7 +439,7 @@ def _write_observations(folder: Path, data: dict[str, Any]) -> None:
             folder, hidden, dir_fd=dir_fd, write=True, create=True, exclusive=True, mode=0o600
         )
         try:
-            os.write(fd, json.dumps(data).encode())
+            os.write(fd, dumps(data).encode())
         finally:
             os.close(fd)
         try:
