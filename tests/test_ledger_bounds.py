@@ -180,3 +180,18 @@ def test_one_users_many_large_files_do_not_crowd_out_anothers_records(
     mine = [u for u in report.users if u.uid == os.getuid()]
     assert [(u.gpu_seconds, u.runs) for u in mine] == [(60.0, 1)]
     assert any("not read" in note for note in report.notes)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_reading_stops_at_the_bound_in_all_and_says_which_files_were_not_read(
+    locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ledger, "_MAX_PER_OWNER", 8192)
+    monkeypatch.setattr(ledger, "_MAX_TOTAL", 2 * 8192)
+    for uid in (65532, 65533, 65534):
+        lines = (_start(f"u{uid}-{i}", 1000.0 + i, [UUID_A], uid=uid) for i in range(100))
+        _write(locks / f"ledger-{uid}.jsonl", *lines, owner=uid)
+    result = ledger.read_ledger(locks)
+    assert {r.uid for r in result.runs} == {65532, 65533}
+    assert sum(n.endswith("past the bound of reading") for n in result.notes) == 1
+    assert any("ledger-65534.jsonl" in n and "not read" in n for n in result.notes)
