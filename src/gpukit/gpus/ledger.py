@@ -265,8 +265,9 @@ class Ledger:
         lines = self.skipped
         skipped = (
             (
-                f"skipped {lines} ledger line{'s' if lines != 1 else ''} that gpukit did "
-                "not write as records of their file's owner",
+                f"skipped {lines} ledger line{'s' if lines != 1 else ''} that are no record "
+                "of their file's owner (malformed, cut short, of the wrong type or range, or in "
+                "another user's name)",
             )
             if lines
             else ()
