@@ -21,8 +21,10 @@ files to, honouring it would let any co-user stop every claim, so it is ignored 
 
 What a user holds is counted from the kernel's lock table (:mod:`gpukit.gpus.flocks`): each
 claimed GPU counts for the user running the process that holds its lock, whatever the lock
-file's record says. Like claims themselves, limits bind the users of gpukit; they do not stop
-a process that uses a GPU without claiming it.
+file's record says, and each locked file counts once, only as a GPU or MIG instance NVML
+reports, however many names others give it (:func:`holdings`). Like claims themselves,
+limits bind the users of gpukit; they do not stop a process that uses a GPU without claiming
+it.
 
 More limits (hours per week, per group) fit in :class:`Limits` as new keys.
 
