@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from gpukit.cli._args import Seconds, add_watch
 from gpukit.cli._output import human_bytes, na, print_json, say_if_fake
 from gpukit.gpus.sharing import IDLE_AFTER_S, Sharing, sharing
+from gpukit.untrusted import printable
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -129,10 +130,7 @@ def _render(state: Sharing) -> RenderableType:
             "not waiters (in the queue folder)",
             ["name", "why"],
             # Names any user chose: no control character reaches the terminal.
-            [
-                ["".join(c if c.isprintable() else "?" for c in f.name), f.why]
-                for f in state.foreign
-            ],
+            [[printable(f.name) or "?", f.why] for f in state.foreign],
             "",
         )
     return Group(*parts)

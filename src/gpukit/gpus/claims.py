@@ -48,6 +48,7 @@ from gpukit.gpus import ledger
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockdir import LOCK_DIR_VAR, lock_dir
 from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder, owner_name
+from gpukit.untrusted import printable
 
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import GPU
@@ -112,11 +113,8 @@ _TEXT_LIMITS = {"user": 64, "host": 255, "command": 500}
 
 def _text(value: object, limit: int) -> str | None:
     """A printable string from an untrusted field; None for anything that is not a string."""
-    if not isinstance(value, str):
-        return None
     # Control characters could move the cursor or recolour the terminal of `gpukit list`.
-    clean = "".join(c if c.isprintable() else "?" for c in value[:limit])
-    return clean or None
+    return printable(value, limit=limit)
 
 
 def _number(value: object, low: float, high: float) -> float | None:

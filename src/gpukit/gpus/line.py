@@ -48,6 +48,7 @@ from gpukit.gpus.claims import lock_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.untrusted import printable
 
 __all__ = ["QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
 
@@ -225,11 +226,6 @@ def _record(data: bytes) -> dict[str, Any] | None:
     return raw
 
 
-def _printable(text: str) -> str:
-    """``text`` with each control character as ``?``: a co-user's ticket reaches terminals."""
-    return "".join(c if c.isprintable() else "?" for c in text)
-
-
 def _waiter(
     dir_fd: int, queue: Path, name: str, inode: int, table: dict[int, frozenset[int]] | None
 ) -> Waiter | str:
@@ -269,8 +265,9 @@ def _waiter(
         user=record["user"],
         uid=record["uid"],
         n=record["n"],
-        criteria=_printable(record["criteria"]),
-        command=_printable(record["command"]),
+        # A co-user's ticket reaches terminals: no control character passes.
+        criteria=printable(record["criteria"], limit=_MAX_RECORD) or "",
+        command=printable(record["command"], limit=_MAX_RECORD) or "",
         since=float(record["since"]),
         ticket=name,
         arrived_ns=info.st_ctime_ns,

@@ -43,6 +43,7 @@ from gpukit.gpus.line import Foreign
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import Criteria, assess
+from gpukit.untrusted import printable
 
 SCHEMA = "gpukit.queue/1"
 """The ``schema`` field of :meth:`Sharing.to_json`."""
@@ -172,7 +173,7 @@ def _cmdline(pid: int) -> str | None:
     except OSError:
         return None
     text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    return "".join(c if c.isprintable() else "?" for c in text) or None  # no escape sequences
+    return printable(text, limit=4096)  # no escape sequences
 
 
 def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
