@@ -35,8 +35,6 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import fcntl
-import json
-import math
 import os
 import stat
 from dataclasses import asdict, dataclass, replace
@@ -48,7 +46,16 @@ from gpukit.gpus.claims import lock_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
-from gpukit.untrusted import printable
+from gpukit.untrusted import (
+    InvalidInput,
+    as_dict,
+    as_float,
+    as_int,
+    as_str,
+    parse_json,
+    printable,
+    read_bounded,
+)
 
 __all__ = ["QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
 
@@ -56,6 +63,9 @@ TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
 _SUFFIX = ".ticket"
 _MAX_RECORD = 64 * 1024
+_INVALID = "no valid waiter record"
+_MOST_ID = 2**32 - 1  # pids and uids are 32-bit numbers
+_MOST_TIME = 1e18  # seconds: bounded, so that a 400-digit integer is refused, not converted
 _TICKET_MODE = 0o644  # others read it (and lock it shared, to probe); only its owner writes
 
 
@@ -197,33 +207,27 @@ def _open_entry(dir_fd: int, queue: Path, name: str) -> int | str:
         return f"cannot be opened ({exc.message})"
 
 
-def _record(data: bytes) -> dict[str, Any] | None:
+def _record(data: bytes) -> dict[str, Any] | str:
+    """The waiter record in ``data``, or why it is none (every field checked by exact type).
+
+    A co-user writes this: whatever it holds (deep nesting, huge numbers, wrong types) is a
+    reason, never an exception.
+    """
     try:
-        raw = json.loads(data.decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    types: dict[str, type | tuple[type, ...]] = {
-        "pid": int,
-        "user": str,
-        "uid": int,
-        "n": int,
-        "criteria": str,
-        "command": str,
-        "since": (int, float),
-    }
-    if not isinstance(raw, dict) or raw.get("schema") != TICKET_SCHEMA:
-        return None
-    for key, kind in types.items():
-        value = raw.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return None
-    try:
-        since = float(raw["since"])  # an int of 400 digits is no time: OverflowError
-    except OverflowError:
-        return None
-    if raw["n"] < 1 or not math.isfinite(since):
-        return None
-    return raw
+        raw = as_dict(parse_json(data, limit=_MAX_RECORD), what="the record")
+        if raw.get("schema") != TICKET_SCHEMA:
+            raise InvalidInput(f"not a {TICKET_SCHEMA} record")
+        return {
+            "pid": as_int(raw.get("pid"), low=1, high=_MOST_ID, what="pid"),
+            "user": as_str(raw.get("user"), what="user"),
+            "uid": as_int(raw.get("uid"), high=_MOST_ID, what="uid"),
+            "n": as_int(raw.get("n"), low=1, high=_MOST_ID, what="n"),
+            "criteria": as_str(raw.get("criteria"), limit=_MAX_RECORD, what="criteria"),
+            "command": as_str(raw.get("command"), limit=_MAX_RECORD, what="command"),
+            "since": as_float(raw.get("since"), low=-_MOST_TIME, high=_MOST_TIME, what="since"),
+        }
+    except InvalidInput as exc:
+        return f"{_INVALID}: {exc}"
 
 
 def _waiter(
@@ -236,10 +240,12 @@ def _waiter(
         info = os.fstat(fd)
         if info.st_ino != inode:
             return "replaced while read"
-        data = os.pread(fd, _MAX_RECORD + 1, 0)
-        record = _record(data) if len(data) <= _MAX_RECORD else None
-        if record is None:
-            return "no valid waiter record"
+        try:
+            record = _record(read_bounded(fd, _MAX_RECORD))
+        except InvalidInput as exc:
+            record = f"{_INVALID}: {exc}"
+        if isinstance(record, str):
+            return record
         pid = record["pid"]
         if table is None:  # no kernel lock table: the lock itself says whether anyone holds it
             try:
@@ -268,7 +274,7 @@ def _waiter(
         # A co-user's ticket reaches terminals: no control character passes.
         criteria=printable(record["criteria"], limit=_MAX_RECORD) or "",
         command=printable(record["command"], limit=_MAX_RECORD) or "",
-        since=float(record["since"]),
+        since=record["since"],
         ticket=name,
         arrived_ns=info.st_ctime_ns,
     )
