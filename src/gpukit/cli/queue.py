@@ -92,7 +92,7 @@ def _render(state: Sharing) -> RenderableType:
     )
     table(
         "waiters",
-        ["#", "user", "pid", "n", "criteria", "for", "why not yet"],
+        ["#", "user", "pid", "n", "criteria", "for", "why not yet", "command"],
         [
             [
                 str(w.position),
@@ -102,6 +102,7 @@ def _render(state: Sharing) -> RenderableType:
                 na(w.criteria),
                 _ago(w.since, now),
                 w.reason,
+                na(w.command),
             ]
             for w in state.waiters
         ],

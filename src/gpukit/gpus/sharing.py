@@ -79,6 +79,8 @@ class Waiting:
     since: float | None
     reason: str
     """Why it is not served now, e.g. ``'1 of 2 GPUs qualify'`` or ``'behind position 1'``."""
+    command: str | None = None
+    """The command that waits, as its ticket records it, control characters shown as ``?``."""
 
 
 @dataclass(frozen=True)
@@ -327,7 +329,7 @@ def _reasons(
 
 def _line(folder: Path) -> tuple[list[dict[str, Any]], tuple[Foreign, ...]]:
     """The waiters in service order, as dicts of what their tickets say, and the foreign."""
-    fields = ("position", "pid", "user", "uid", "n", "criteria", "since")
+    fields = ("position", "pid", "user", "uid", "n", "criteria", "command", "since")
     line = waiting.read_line(folder)
     return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line.foreign
 
@@ -349,6 +351,7 @@ def _waiters(
             else None,
             since=entry.get("since"),
             reason=reason,
+            command=printable(entry.get("command"), limit=4096),
         )
         for entry, reason in zip(line, reasons, strict=True)
     ]
