@@ -326,3 +326,20 @@ def test_a_waiter_tidies_its_abandoned_tickets_in_the_folder_it_joined_not_a_new
         assert sorted(os.listdir(moved)) == [waiter.name]
         os.rmdir(waiter.queue)
         os.rename(moved, waiter.queue)
+
+
+def test_junk_in_the_queue_folder_is_counted_past_the_first_few_and_hides_no_waiter(
+    queue: Path, hold: Hold
+) -> None:
+    for i in range(300):
+        (queue / f"junk-{i:04d}").touch()
+        (queue / f"{i:020d}-1-cccccccc.ticket").touch()  # named before every real ticket
+    with Ticket() as honest:
+        line = read_line()
+        assert [w.ticket for w in line.waiters] == [honest.name]
+        assert len(line.foreign) == line_module.MOST_FOREIGN
+        assert [f.name for f in line.foreign] == sorted(f.name for f in line.foreign)
+        assert line.foreign[0] == line_module.Foreign(
+            f"{0:020d}-1-cccccccc.ticket", "not held by a live waiter"
+        )
+        assert line.foreign_not_listed == 600 - line_module.MOST_FOREIGN

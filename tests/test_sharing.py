@@ -185,6 +185,7 @@ def _line(*waiters: tuple[int, int, str]) -> object:
             for i, (uid, n, c) in enumerate(waiters, start=1)
         ),
         foreign=(),
+        foreign_not_listed=0,
     )
 
 

@@ -333,3 +333,20 @@ def test_queue_shows_each_waiters_command_in_its_table_and_its_json(
     row = next(line for line in table.stdout.splitlines() if str(os.getpid()) in line)
     assert row.rstrip().endswith("python train.py --lr 3")
     assert [w["command"] for w in data["waiters"]] == ["python train.py --lr 3"]
+
+
+def test_queue_lists_the_first_few_junk_entries_and_says_how_many_more_there_are(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    queue = locks / "queue"
+    queue.mkdir(parents=True)
+    for i in range(2000):
+        (queue / f"junk-{i:05d}").touch()
+    env: dict[str, str | None] = {"GPUKIT_FAKE_NVML": str(L4), "GPUKIT_LOCK_DIR": str(locks)}
+    table = run_cli("queue", env=env)
+    data = json.loads(run_cli("queue", "--json", env=env).stdout)
+    assert table.returncode == 0, table.stderr
+    assert len(table.stdout) < 5000
+    assert "junk-00000" in table.stdout
+    assert "1980 more not listed (the first 20 by name are shown)" in table.stdout
+    assert (len(data["foreign"]), data["foreign_not_listed"]) == (20, 1980)

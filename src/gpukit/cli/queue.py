@@ -134,6 +134,14 @@ def _render(state: Sharing) -> RenderableType:
             [[printable(f.name) or "?", f.why] for f in state.foreign],
             "",
         )
+    if state.foreign_not_listed:
+        parts.append(
+            Text(
+                f"not waiters: {state.foreign_not_listed} more not listed (the first "
+                f"{len(state.foreign)} by name are shown)",
+                style="dim",
+            )
+        )
     return Group(*parts)
 
 

@@ -35,6 +35,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import fcntl
+import heapq
 import os
 import stat
 from dataclasses import asdict, dataclass, replace
@@ -57,12 +58,14 @@ from gpukit.untrusted import (
     read_bounded,
 )
 
-__all__ = ["QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
+__all__ = ["MOST_FOREIGN", "QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
 
 TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
 _SUFFIX = ".ticket"
 _MAX_RECORD = 64 * 1024
+MOST_FOREIGN = 20
+"""How many entries that are no waiter's ticket :func:`read_line` lists (the rest are counted)."""
 _INVALID = "no valid waiter record"
 _MOST_ID = 2**32 - 1  # pids and uids are 32-bit numbers
 _MOST_TIME = 1e18  # seconds: bounded, so that a 400-digit integer is refused, not converted
@@ -109,6 +112,9 @@ class Line:
 
     waiters: tuple[Waiter, ...] = ()
     foreign: tuple[Foreign, ...] = ()
+    """The first :data:`MOST_FOREIGN` of them by name: a co-user can fill the folder with junk."""
+    foreign_not_listed: int = 0
+    """How many more entries are no waiter's ticket, beyond those in ``foreign``."""
 
 
 def _queue_of(folder: Path | None) -> Path:
@@ -136,23 +142,39 @@ def read_line(folder: Path | None = None) -> Line:
 
 
 def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
+    # Every entry named like a ticket is looked at (skipping some would let junk hide a
+    # waiter); of the others only the first few names are kept, to be shown.
+    others: list[str] = []
+    other_count = 0
     with os.scandir(dir_fd) as entries:
-        listed = sorted((e.name, e.inode()) for e in entries if not e.name.startswith("."))
+        listed = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.name.endswith(_SUFFIX):
+                listed.append((entry.name, entry.inode()))
+                continue
+            other_count += 1
+            others.append(entry.name)
+            if len(others) > 2 * MOST_FOREIGN:
+                others = heapq.nsmallest(MOST_FOREIGN, others)
+    listed.sort()
     # Read after the folder: a ticket is locked before its name appears, so every live ticket
     # listed above is in this table.
     table = exclusive_flocks()
     found: list[Waiter] = []
-    foreign: list[Foreign] = []
+    foreign = [Foreign(name, "not a ticket") for name in heapq.nsmallest(MOST_FOREIGN, others)]
+    foreign_count = other_count
     for name, inode in listed:
-        if not name.endswith(_SUFFIX):
-            foreign.append(Foreign(name, "not a ticket"))
-            continue
+        if len(foreign) > 2 * MOST_FOREIGN:
+            foreign = heapq.nsmallest(MOST_FOREIGN, foreign, key=lambda f: f.name)
         if table is not None and not table.get(inode):
             try:  # lstat: opens nothing, never blocks
                 info: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
             except OSError:
                 info = None
             foreign.append(Foreign(name, _unheld(info)))
+            foreign_count += 1
             mine = info is not None and info.st_uid == os.getuid()
             if tidy and mine and info is not None and stat.S_ISREG(info.st_mode):
                 _remove_if_abandoned(dir_fd, queue, name)
@@ -160,10 +182,16 @@ def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
         waiter = _waiter(dir_fd, queue, name, inode, table)
         if isinstance(waiter, str):
             foreign.append(Foreign(name, waiter))
+            foreign_count += 1
         else:
             found.append(waiter)
     found.sort(key=lambda w: (w.arrived_ns, w.ticket))
-    return Line(tuple(replace(w, position=i + 1) for i, w in enumerate(found)), tuple(foreign))
+    shown = heapq.nsmallest(MOST_FOREIGN, foreign, key=lambda f: f.name)
+    return Line(
+        tuple(replace(w, position=i + 1) for i, w in enumerate(found)),
+        tuple(shown),
+        foreign_count - len(shown),
+    )
 
 
 def _kind(mode: int) -> str:

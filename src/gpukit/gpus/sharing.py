@@ -39,7 +39,7 @@ from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.flocks import exclusive_flocks
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Foreign
+from gpukit.gpus.line import Foreign, Line
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import Criteria, assess
@@ -121,7 +121,10 @@ class Sharing:
     """Where the GPU readings came from (``'nvml'`` or ``'fake:<file>'``)."""
     foreign: tuple[Foreign, ...] = ()
     """Entries of the queue folder that are no live waiter's ticket, and why (links, FIFOs,
-    forged or abandoned tickets): what a co-user may have planted there."""
+    forged or abandoned tickets): what a co-user may have planted there. The first
+    :data:`~gpukit.gpus.line.MOST_FOREIGN` by name."""
+    foreign_not_listed: int = 0
+    """How many more such entries the queue folder holds, beyond those in ``foreign``."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict with a ``schema`` field (``gpukit queue --json``)."""
@@ -327,11 +330,11 @@ def _reasons(
     return reasons
 
 
-def _line(folder: Path) -> tuple[list[dict[str, Any]], tuple[Foreign, ...]]:
-    """The waiters in service order, as dicts of what their tickets say, and the foreign."""
+def _line(folder: Path) -> tuple[list[dict[str, Any]], Line]:
+    """The waiters in service order, as dicts of what their tickets say, and the whole line."""
     fields = ("position", "pid", "user", "uid", "n", "criteria", "command", "since")
     line = waiting.read_line(folder)
-    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line.foreign
+    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line
 
 
 def _waiters(
@@ -455,7 +458,7 @@ def sharing(
     inv = inventory() if inv is None else inv
     # The line first, then the claims: a waiter leaves the line only once it holds its claim,
     # so read in this order, each process that waits or holds shows in one list at least.
-    line, foreign = _line(base)
+    line, read = _line(base)
     claims = current_claims(base)
     held = _holders(claims, inv, base, exclusive_flocks())
     return Sharing(
@@ -466,5 +469,6 @@ def sharing(
         idle=tuple(_idle(base, held, inv, idle_after, observe)),
         idle_after_s=idle_after,
         source=inv.source,
-        foreign=foreign,
+        foreign=read.foreign,
+        foreign_not_listed=read.foreign_not_listed,
     )
