@@ -174,8 +174,8 @@ def test_a_ticket_that_disappears_between_listing_and_reading_is_gone(
 
     monkeypatch.setattr(line_module, "exclusive_flocks", removed_meanwhile)
     assert _foreign() == [(EARLY, "gone")]
-    (queue / EARLY).write_text(json.dumps(_record()))
     with Ticket() as waiter:  # a waiter's own look, which tidies, meets the same race
+        (queue / EARLY).write_text(json.dumps(_record()))
         assert [(f.name, f.why) for f in waiter.line().foreign] == [(EARLY, "gone")]
 
 

@@ -11,7 +11,11 @@ and content are whatever its creator wrote. Arrival order therefore comes from a
 kernel sets, the ticket's inode change time (``st_ctime_ns``, set when the ticket takes its
 name; ``utime`` can set a file's other times back, never this one), with the name only as a
 tie-break between tickets of the same clock tick. A ticket made after yours comes after yours,
-whatever its name says.
+whatever its name says. Locking a file does not change that time, so a ticket named long ago
+and locked only later would take a place from when it was named; a ticket counts from when it
+became a live waiter instead (:class:`gpukit.gpus.waiting.Ticket`): a waiter holds a shared
+lock on each ticket no one holds when it joins, for as long as it waits, and never waits for
+an earlier-named ticket it did not find live on joining.
 
 Why it cannot be jammed. Entries are opened without following links and without blocking
 (``O_NOFOLLOW | O_NONBLOCK``) and checked with ``fstat``: a regular file with one link. A ticket
@@ -19,7 +23,7 @@ counts only while the process its record names holds its lock (the kernel's lock
 :mod:`gpukit.gpus.flocks`, says who holds it), the file belongs to the record's uid and user,
 and that process runs as the same user. Anything else in the folder (a link, a FIFO, a folder,
 a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
-:attr:`Line.foreign`. Nothing here waits on a file, so ``--timeout`` always holds. A waiter
+:attr:`Line.foreign` (the first :data:`MOST_FOREIGN` by name; the rest are counted). Nothing here waits on a file, so ``--timeout`` always holds. A waiter
 that dies (even by SIGKILL) loses its lock with its life: a dead waiter never blocks the line.
 
 The kernel's lock table names processes as this process's pid namespace sees them, so waiters
