@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.gpus.inventory import inventory
 from gpukit.gpus.line import read_line
-from gpukit.gpus.select import Criteria
-from gpukit.gpus.waiting import Ticket, wait_and_claim
+from gpukit.gpus.waiting import Ticket
 from tests.conftest import NOBODY, ROOT, subprocess_env
 
 L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -107,15 +105,27 @@ def test_a_held_ticket_with_a_malformed_record_says_what_is_wrong_with_it(
     assert why in reason
 
 
-def test_waiting_in_line_beside_a_deeply_nested_ticket_claims_as_usual(
+def test_acquire_with_wait_beside_a_deeply_nested_ticket_claims_as_usual(
+    locks: Path, hold: Hold
+) -> None:
+    import gpukit as gk
+
+    hold(locks / "queue" / EARLY, DEEP)
+    with gk.acquire(1, wait=True, timeout=30, poll=0.01, settle=1) as got:
+        assert len(got.uuids) == 1
+
+
+def test_gpukit_run_wait_beside_a_deeply_nested_ticket_runs_its_command(
     locks: Path, hold: Hold
 ) -> None:
     hold(locks / "queue" / EARLY, DEEP)
-    got = wait_and_claim(1, Criteria(), timeout=30, poll=0.01, read=lambda: inventory())
-    try:
-        assert len(got.uuids) == 1
-    finally:
-        got.release()
+    env = subprocess_env(GPUKIT_FAKE_NVML=str(L4), GPUKIT_LOCK_DIR=str(locks))
+    result = subprocess.run(
+        [sys.executable, "-m", "gpukit", "run", "--wait", "--timeout", "30", "--poll", "0.05",
+         "--settle", "1", "--", sys.executable, "-c", "print('ran')"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout.strip()) == (0, "ran"), result.stderr
 
 
 def test_gpukit_queue_lists_a_deeply_nested_ticket_as_foreign_and_exits_0(

@@ -26,7 +26,6 @@ import fcntl
 import functools
 import getpass
 import json
-import math
 import os
 import socket
 import sys
@@ -48,7 +47,14 @@ from gpukit.gpus import ledger
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockdir import LOCK_DIR_VAR, lock_dir
 from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder, owner_name
-from gpukit.untrusted import InvalidInput, as_dict, parse_json, printable, read_bounded
+from gpukit.untrusted import (
+    InvalidInput,
+    as_dict,
+    as_float,
+    parse_json,
+    printable,
+    read_bounded,
+)
 
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import GPU
@@ -127,12 +133,11 @@ def _text(value: object, limit: int) -> str | None:
 
 
 def _number(value: object, low: float, high: float) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """A finite number within ``[low, high]`` from an untrusted field; None for anything else."""
+    try:
+        return as_float(value, low=low, high=high)
+    except InvalidInput:
         return None
-    # Compared before any conversion: float() of a 400-digit int raises OverflowError.
-    if not low <= value <= high or (isinstance(value, float) and not math.isfinite(value)):
-        return None
-    return float(value)
 
 
 def _read_holder(data: bytes) -> Holder:

@@ -23,8 +23,9 @@ counts only while the process its record names holds its lock (the kernel's lock
 :mod:`gpukit.gpus.flocks`, says who holds it), the file belongs to the record's uid and user,
 and that process runs as the same user. Anything else in the folder (a link, a FIFO, a folder,
 a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
-:attr:`Line.foreign` (the first :data:`MOST_FOREIGN` by name; the rest are counted). Nothing here waits on a file, so ``--timeout`` always holds. A waiter
-that dies (even by SIGKILL) loses its lock with its life: a dead waiter never blocks the line.
+:attr:`Line.foreign` (the first :data:`MOST_FOREIGN` by name; the rest are counted). Nothing
+here waits on a file, so ``--timeout`` always holds. A waiter that dies (even by SIGKILL) loses
+its lock with its life: a dead waiter never blocks the line.
 
 The kernel's lock table names processes as this process's pid namespace sees them, so waiters
 in containers with pid namespaces of their own that share one lock folder do not see each
