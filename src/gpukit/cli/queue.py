@@ -10,7 +10,6 @@ Never imports torch, and imports rich only for human output, so that it starts f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING
 from gpukit.cli._args import Seconds, add_watch
 from gpukit.cli._output import human_bytes, na, print_json, say_if_fake
 from gpukit.gpus.sharing import IDLE_AFTER_S, Sharing, sharing
-from gpukit.untrusted import printable
+from gpukit.untrusted import dumps, printable
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -164,7 +163,7 @@ def _watch(args: argparse.Namespace, idle_after: float) -> int:
             while True:
                 state = sharing(idle_after=idle_after)
                 if args.json:
-                    sys.stdout.write(json.dumps(state.to_json(), default=str) + "\n")
+                    sys.stdout.write(dumps(state.to_json(), default=str) + "\n")
                     sys.stdout.flush()
                 else:
                     _print(out, _render(state))
