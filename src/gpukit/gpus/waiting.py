@@ -42,6 +42,7 @@ from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
 from gpukit.gpus.policy import Limits, Policy, holdings
 from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
+from gpukit.untrusted import InvalidInput, open_regular
 
 __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
 
@@ -157,10 +158,10 @@ class Ticket:
                 return
             if inode in self._pins:
                 continue
-            try:
-                fd = open_lock_file(self.queue, name, dir_fd=self._dir)
-            except (OSError, LockFolderError):
-                continue  # gone, a link, a FIFO...: no ticket, now or later
+            try:  # no retry on a file it may not read: each try must cost one open
+                fd = open_regular(name, dir_fd=self._dir, nlink=True)
+            except (OSError, InvalidInput):
+                continue  # gone, unreadable, a link, a FIFO...: no ticket, now or later
             try:
                 # Granted only when nobody holds it exclusively: no live waiter.
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
