@@ -261,6 +261,7 @@ def _line(*waiters: tuple[int, int, str]) -> object:
             for i, (uid, n, c) in enumerate(waiters, start=1)
         ),
         foreign=(),
+        foreign_not_listed=0,
     )
 
 
@@ -348,3 +349,10 @@ def test_what_is_in_the_queue_folder_but_is_no_waiter_is_listed_as_foreign_with_
         "name": "00000000000000000001-1-aaaaaaaa.ticket",
         "why": "a FIFO",
     }
+
+
+def test_each_waiter_is_shown_with_its_command_with_no_control_character(locks: Path) -> None:
+    with waiting.Ticket(command="python train.py \x1b]0;pwned\x07--lr 3"):
+        (waiter,) = sharing(inventory(), observe=False).waiters
+        shown = sharing(inventory(), observe=False).to_json()["waiters"][0]["command"]
+    assert waiter.command == shown == "python train.py ?]0;pwned?--lr 3"

@@ -41,11 +41,11 @@ from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.flocks import exclusive_flocks
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Foreign
+from gpukit.gpus.line import Foreign, Line
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import Criteria, assess
-from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, read_bounded
+from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, printable, read_bounded
 
 SCHEMA = "gpukit.queue/1"
 """The ``schema`` field of :meth:`Sharing.to_json`."""
@@ -81,6 +81,8 @@ class Waiting:
     since: float | None
     reason: str
     """Why it is not served now, e.g. ``'1 of 2 GPUs qualify'`` or ``'behind position 1'``."""
+    command: str | None = None
+    """The command that waits, as its ticket records it, control characters shown as ``?``."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,10 @@ class Sharing:
     """Where the GPU readings came from (``'nvml'`` or ``'fake:<file>'``)."""
     foreign: tuple[Foreign, ...] = ()
     """Entries of the queue folder that are no live waiter's ticket, and why (links, FIFOs,
-    forged or abandoned tickets): what a co-user may have planted there."""
+    forged or abandoned tickets): what a co-user may have planted there. The first
+    :data:`~gpukit.gpus.line.MOST_FOREIGN` by name."""
+    foreign_not_listed: int = 0
+    """How many more such entries the queue folder holds, beyond those in ``foreign``."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict with a ``schema`` field (``gpukit queue --json``)."""
@@ -175,7 +180,7 @@ def _cmdline(pid: int) -> str | None:
     except OSError:
         return None
     text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    return "".join(c if c.isprintable() else "?" for c in text) or None  # no escape sequences
+    return printable(text, limit=4096)  # no escape sequences
 
 
 def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
@@ -327,11 +332,11 @@ def _reasons(
     return reasons
 
 
-def _line(folder: Path) -> tuple[list[dict[str, Any]], tuple[Foreign, ...]]:
-    """The waiters in service order, as dicts of what their tickets say, and the foreign."""
-    fields = ("position", "pid", "user", "uid", "n", "criteria", "since")
+def _line(folder: Path) -> tuple[list[dict[str, Any]], Line]:
+    """The waiters in service order, as dicts of what their tickets say, and the whole line."""
+    fields = ("position", "pid", "user", "uid", "n", "criteria", "command", "since")
     line = waiting.read_line(folder)
-    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line.foreign
+    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line
 
 
 def _waiters(
@@ -351,6 +356,7 @@ def _waiters(
             else None,
             since=entry.get("since"),
             reason=reason,
+            command=printable(entry.get("command"), limit=4096),
         )
         for entry, reason in zip(line, reasons, strict=True)
     ]
@@ -496,7 +502,7 @@ def sharing(
     inv = inventory() if inv is None else inv
     # The line first, then the claims: a waiter leaves the line only once it holds its claim,
     # so read in this order, each process that waits or holds shows in one list at least.
-    line, foreign = _line(base)
+    line, read = _line(base)
     claims = current_claims(base)
     held = _holders(claims, inv, base, exclusive_flocks())
     return Sharing(
@@ -507,5 +513,6 @@ def sharing(
         idle=tuple(_idle(base, held, inv, idle_after, observe)),
         idle_after_s=idle_after,
         source=inv.source,
-        foreign=foreign,
+        foreign=read.foreign,
+        foreign_not_listed=read.foreign_not_listed,
     )
