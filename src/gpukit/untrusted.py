@@ -42,6 +42,7 @@ import math
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,7 @@ DEPTH = 32
 are at most four deep; a limit far below the interpreter's recursion limit keeps every walk
 over a parsed document safe."""
 
+_FLOAT_MAX = sys.float_info.max
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
@@ -314,6 +316,8 @@ def as_float(
         raise InvalidInput(f"{what} is not finite")
     if not low <= value <= high:
         raise InvalidInput(f"{what} is out of range")
+    if isinstance(value, int) and abs(value) > _FLOAT_MAX:
+        raise InvalidInput(f"{what} is too large to be a finite number")
     return float(value)
 
 

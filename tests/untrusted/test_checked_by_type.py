@@ -50,6 +50,8 @@ def test_a_number_is_finite_and_in_range() -> None:
             as_float(value)
     with pytest.raises(InvalidInput, match="out of range"):
         as_float(10**340, high=1e300)  # compared before float() could overflow
+    with pytest.raises(InvalidInput, match="too large"):
+        as_float(10**400)  # no bound given: still never an OverflowError
     for value in (True, "1.5", None):
         with pytest.raises(InvalidInput, match="not a number"):
             as_float(value)
