@@ -146,14 +146,14 @@ def test_an_inventory_with_readings_of_the_wrong_type_is_refused(gpu: dict[str, 
     reading = parse_answer("h", json.dumps({"schema": SCHEMA, "gpus": [gpu]}))
     assert reading.inventory is None
     assert reading.error is not None
-    assert reading.error.startswith("unreadable answer (its gpukit ")
+    assert reading.error.startswith("answer not understood: its gpukit ")
 
 
 @pytest.mark.parametrize(
     ("answer", "why"),
     [
         ('{"schema": "gpukit.inventory/9", "gpus": []}', "this gpukit reads"),
-        ("{not json", "broken JSON"),
+        ("{not json", "not valid JSON"),
         ("[1, 2]", "nvidia-smi columns"),
         ("", "nvidia-smi listed no GPU"),
         ("Welcome to gpu1!\n", "nvidia-smi columns"),
