@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +38,14 @@ def console(*, stderr: bool = False) -> Console:
 
 
 def print_json(payload: dict[str, Any]) -> None:
-    """Print ``payload`` (which carries its own ``schema`` field) as JSON on stdout."""
-    json.dump(payload, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    """Print ``payload`` (which carries its own ``schema`` field) as JSON on stdout.
+
+    Non-finite numbers are written as ``null``: ``NaN`` and ``Infinity`` are not JSON, and a
+    strict reader (``jq``, JavaScript) refuses the whole document for one of them.
+    """
+    from gpukit.untrusted import dumps
+
+    sys.stdout.write(dumps(payload, indent=2, default=str) + "\n")
 
 
 def na(value: object, fmt: str = "{}") -> str:
