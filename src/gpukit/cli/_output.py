@@ -54,15 +54,10 @@ def na(value: object, fmt: str = "{}") -> str:
 
 
 def human_bytes(n: float | None) -> str:
-    """``1536 -> '1.5 KiB'``; ``None -> 'n/a'``."""
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    """``1536 -> '1.5 KiB'`` (:func:`gpukit.gpus.select.format_size`); ``None -> 'n/a'``."""
+    from gpukit.gpus.select import format_size
+
+    return "n/a" if n is None else format_size(n)
 
 
 def say_if_fake(command: str) -> None:
