@@ -9,8 +9,10 @@ gpu2 unreachable: ssh: connect to host gpu2 port 22: Connection refused
 Each host runs ``gpukit list --json`` when gpukit is installed there, else
 ``nvidia-smi --query-gpu=... --format=csv``, in one ssh round trip. All hosts are asked at once;
 one that does not answer costs at most ``timeout`` seconds, after which its ssh (and everything
-it started) is killed. What a host answers is data from another machine: it is parsed, never
-run, and anything unreadable becomes that host's error.
+it started) is killed. What a host answers is data from another machine: it is read with a cap
+(:data:`ANSWER_LIMIT`, its ssh killed past it), parsed through :mod:`gpukit.untrusted` with every
+field checked by type and range and every string made printable, never run; anything refused
+becomes that host's error, and the other hosts are shown as if it had not answered at all.
 """
 
 from __future__ import annotations
