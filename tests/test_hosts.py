@@ -126,10 +126,15 @@ def test_any_inventory_json_from_a_host_is_read_or_refused_never_an_exception(
     payload = {"schema": SCHEMA, "gpus": gpus, "driver_version": driver}
     reading = parse_answer("h", json.dumps(payload))
     assert (reading.inventory is None) == (reading.error is not None)
-    if reading.inventory is not None:  # what is kept can be shown
+    if reading.inventory is not None:  # what is kept can be shown, wide and narrow
+        from rich.console import Console
+
         from gpukit.cli._gpu_table import build_hosts_table
 
-        build_hosts_table([reading])
+        for width in (80, 200):
+            out = Console(width=width, force_terminal=True, color_system=None)
+            with out.capture():
+                out.print(build_hosts_table([reading]))
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpukit.gpus.hosts import MAX_GPUS, parse_answer, parse_nvidia_smi_csv, read_hosts
 from gpukit.gpus.inventory import SCHEMA
@@ -181,3 +183,73 @@ def test_the_power_limit_read_through_nvidia_smi_is_the_enforced_one(hosts: Fake
     [reading] = read_hosts(["capped"], timeout=60, ssh_command_text=hosts.ssh)
     assert reading.inventory is not None, reading.error
     assert reading.inventory.gpus[0].power_limit_w == 60
+
+
+_HOSTILE_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**400), max_value=10**400)
+    | st.floats()  # NaN and infinities included
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+_FIELDS = st.sampled_from(
+    [
+        "index",
+        "uuid",
+        "name",
+        "memory_total",
+        "memory_used",
+        "memory_free",
+        "utilization_gpu",
+        "temperature_c",
+        "power_draw_w",
+        "power_limit_w",
+        "processes",
+        "mig_instances",
+        "mig_mode",
+        "compute_capability",
+        "error",
+        "pci_bus_id",
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.dictionaries(_FIELDS, _HOSTILE_JSON, max_size=6), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["claims", "driver_version", "taken_at", "source"]), _HOSTILE_JSON
+    ),
+    st.integers(min_value=0, max_value=200),
+)
+def test_any_hostile_document_from_a_host_is_read_or_refused_and_what_is_read_can_be_shown(
+    gpus: list[dict[str, object]], extra: dict[str, object], depth: int
+) -> None:
+    from rich.console import Console
+
+    from gpukit.cli._gpu_table import build_hosts_table
+    from gpukit.untrusted import dumps
+
+    document: object = {"schema": SCHEMA, "gpus": gpus, **extra}
+    for _ in range(depth):  # sometimes buried deep in lists
+        document = {"schema": SCHEMA, "gpus": [document]}
+    reading = parse_answer("h", json.dumps(document))
+    assert (reading.inventory is None) == (reading.error is not None)
+    assert reading.error is None or reading.error.isprintable()
+    if reading.inventory is not None:
+        dumps(reading.to_json())  # finite: dumps refuses NaN
+        out = Console(width=80, force_terminal=True, color_system=None)
+        with out.capture() as captured:
+            out.print(build_hosts_table([reading]))
+        assert "\x1b" not in captured.get()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_bytes_from_a_host_are_read_or_refused_never_an_exception(answer: bytes) -> None:
+    reading = parse_answer("h", answer)
+    assert (reading.inventory is None) == (reading.error is not None)

@@ -69,7 +69,7 @@ def test_list_on_a_wide_terminal_keeps_the_bar_power_and_process_memory() -> Non
     assert "power" in header
     assert "█" in row
     assert "389/400 W" in row
-    assert "alice:40211 python train.py (71.0 GiB)" in row
+    assert "alice:40211 python train.py (71 GiB)" in row
 
 
 def test_hosts_table_headers_match_cells_when_cuda_and_pci_orders_differ() -> None:
