@@ -28,7 +28,7 @@ _BAR_WIDTH = 10
 _GAP = 2  # rich's padding between two columns
 # Free-text columns, cut to fit a narrow terminal.
 _CUT = frozenset({"host", "name", "claimed by", "user:pid command (memory)", "user:pid command"})
-_RIGHT = frozenset({"GPU", "CUDA", "util", "temp", "power"})
+_RIGHT = frozenset({"GPU", "CUDA", "memory", "util", "temp", "power"})
 # In the compact layout these give way first, down to this many characters; who holds and who
 # uses each GPU share the rest.
 _GIVE_WAY = {"name": 9, "host": 8}
@@ -38,8 +38,9 @@ _GIVE_WAY = {"name": 9, "host": 8}
 class _Row:
     cells: list[str]
     style: str = ""
-    measured: bool = True
-    """False for a row whose last cell may run on (a host's error): it never widens the table."""
+    message: str | None = None
+    """A host's error: shown after the first ``cells``, from the name column to the end of the
+    line, whole; it never widens the table's columns."""
     section: bool = False
     """A line between two hosts, not a row."""
 
@@ -190,7 +191,7 @@ def _natural_widths(headers: list[str], rows: list[_Row]) -> list[int]:
 
     widths = [cell_len(h) for h in headers]
     for row in rows:
-        if row.measured and not row.section:
+        if row.message is None and not row.section:
             widths = [max(w, cell_len(c)) for w, c in zip(widths, row.cells, strict=True)]
     return widths
 
@@ -240,23 +241,22 @@ def _lines(headers: list[str], rows: list[_Row], widths: list[int]) -> Iterator[
     right = [h in _RIGHT for h in headers]
     gap = " " * _GAP
 
-    def line(cells: list[str], *, run_on: bool) -> str:
-        parts = [_cell(c, w, right=r) for c, w, r in zip(cells, widths, right, strict=True)]
-        if run_on:  # a host's error: said whole, the line cut only at the terminal's edge
-            parts[-1] = cells[-1]
+    def line(row: _Row) -> str:
+        parts = [_cell(c, w, right=r) for c, w, r in zip(row.cells, widths, right, strict=False)]
+        if row.message is not None:  # said whole; the line is cut only at the terminal's edge
+            parts.append(row.message)
         return gap.join(parts).rstrip()
 
     # Text, not markup: a command line such as `train.py tags=[/x]` is shown as it is (as a
     # markup string it would vanish or raise, and any user can start such a process).
-    yield Text(line(headers, run_on=False), style="bold", no_wrap=True, overflow="ellipsis")
+    yield Text(line(_Row(headers)), style="bold", no_wrap=True, overflow="ellipsis")
     for row in rows:
         if row.section:
             yield Text("")
             continue
         # Every row has the cells its headers name: one more would be a column with no header.
-        assert len(row.cells) == len(headers), (headers, row.cells)
-        text = line(row.cells, run_on=not row.measured)
-        yield Text(text, style=row.style, no_wrap=True, overflow="ellipsis")
+        assert row.message is not None or len(row.cells) == len(headers), (headers, row.cells)
+        yield Text(line(row), style=row.style, no_wrap=True, overflow="ellipsis")
 
 
 class GpuTable:
@@ -319,11 +319,9 @@ def build_hosts_table(readings: Sequence[HostReading]) -> GpuTable:
             if i:
                 rows.append(_Row([], section=True))
             if reading.inventory is None:
-                # The reason goes last, where a long line may run on without widening the GPU
-                # columns.
-                blank = ["" for _ in headers[3:-1]]
-                cells = [reading.host, "-", "no GPUs read", *blank, reading.error or "no answer"]
-                rows.append(_Row(cells, "red", measured=False))
+                # The reason runs on from the name column, whole, without widening a column.
+                message = reading.error or "no answer"
+                rows.append(_Row([reading.host, "-"], "red", message=message))
                 continue
             for j, row in enumerate(
                 _rows(reading.inventory, None, reading.claims, compact=compact)
