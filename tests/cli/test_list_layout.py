@@ -3,7 +3,6 @@ and many hosts print quickly."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -96,7 +95,9 @@ def test_hosts_table_at_80_columns_shows_who_uses_each_gpu() -> None:
     assert error.endswith(f"  -  {down.error}")  # the reason, whole
 
 
-def test_a_table_of_8000_remote_gpus_prints_in_seconds() -> None:
+def test_a_table_of_8000_remote_gpus_is_drawn_line_by_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     readings = [
         HostReading(
             f"host{h}",
@@ -105,8 +106,14 @@ def test_a_table_of_8000_remote_gpus_prints_in_seconds() -> None:
         )
         for h in range(125)
     ]
-    start = time.monotonic()
+    # Drawn by rich's Table, whose layout is not linear in the rows, such a table took 14 to
+    # 28 s; line by line it takes about 1 s. Its speed is the bench's business; here, that no
+    # rich Table is built at all.
+    import rich.table
+
+    def _no_table(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the hosts table was laid out by rich's Table")
+
+    monkeypatch.setattr(rich.table.Table, "__init__", _no_table)
     lines = _render(build_hosts_table(readings), 160)
-    # Drawn by rich's Table, such a table took 14 to 28 s; line by line it takes about 1 s.
-    assert time.monotonic() - start < 8
     assert sum("A100" in line for line in lines) == 8000
