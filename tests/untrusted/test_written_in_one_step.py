@@ -1,4 +1,4 @@
-"""``write_output``: an output named long before it is written lands in one step, by descriptor."""
+"""Rule: an output named long before it is written lands in one step, by descriptor."""
 
 from __future__ import annotations
 
