@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import Inventory
+from gpukit.gpus.waiting import Ticket
 from gpukit.serve import sampler as sampler_module
 
 A100_4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"
@@ -118,3 +119,18 @@ def test_a_full_sample_is_not_stale(serve_machine: Any) -> None:
     m = _metrics(sample.metrics)
     assert (_one(m, "gpukit_claims_up"), _one(m, "gpukit_sample_stale")) == (1, 0)
     assert json.loads(sample.state_json)["failed"] == {}
+
+
+def test_serve_starts_beside_a_held_ticket_of_deeply_nested_json(serve_machine: Any) -> None:
+    with Ticket() as ticket:
+        # A co-user's ticket, locked by its live process, whose content is 60000 "[".
+        ticket.path.write_text("[" * 60000)
+        served = serve_machine("server-8xA100-shared")
+        sample = served.sampler.latest
+        assert sample.inventory is not None
+        # Either the reader refuses the ticket and the claims are read, or they are unknown and
+        # said to be: never the claims of some earlier sample.
+        assert (sample.queue is None) == ("claims" in sample.failed)
+        m = _metrics(sample.metrics)
+        assert _one(m, "gpukit_nvml_up") == 1
+        assert _one(m, "gpukit_claims_up") == (sample.queue is not None)
