@@ -95,8 +95,8 @@ function heldFor(since, now) {
 }
 
 function claimLine(claim, now) {
+  // The holder's user is in the card's badge already: the line is for what runs, and since when.
   return el("p", { class: "claim" },
-    el("span", { class: "user" }, claim.user ?? "?"),
     el("span", { class: "cmd", title: claim.command ?? "" },
       (claim.command ?? "?") + (claim.pid === null || claim.pid === undefined ? "" : " (" + claim.pid + ")")),
     el("span", { class: "held" }, "held " + heldFor(claim.since, now)));
