@@ -119,6 +119,7 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
     [
         ("x.txt", "matplotlib cannot write .txt pictures"),
         ("xplot", "has no suffix, and the suffix names the picture's format"),
+        ("x.pgf", "matplotlib cannot write .pgf pictures"),  # it would need TeX to draw text
     ],
 )
 def test_a_plot_name_matplotlib_cannot_write_is_refused_before_the_run(
@@ -203,3 +204,26 @@ def test_the_json_holds_null_for_a_figure_that_is_not_a_number(
 
     [result] = json.loads(out.read_text(), parse_constant=refuse)["results"]
     assert (result["value"], result["ratio"]) == (None, None)
+
+
+def test_a_plot_that_fails_to_draw_is_a_one_line_error_and_the_json_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    one_suite: list[Callable[[], None]],
+) -> None:
+    from gpukit.bench import plot
+    from gpukit.cli.main import main
+
+    def broken(*args: object, **kwargs: object) -> bytes:
+        raise RuntimeError("no codec for that")
+
+    monkeypatch.setattr(plot, "render", broken)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--json", str(out), "--plot", str(tmp_path / "b.webp")]) == 1
+    err = capsys.readouterr().err
+    assert "Cannot draw --plot" in err
+    assert "RuntimeError: no codec for that" in err
+    assert f"in {out}." in err
+    assert "Traceback" not in err
+    assert json.loads(out.read_text())["schema"] == "gpukit.bench/1"

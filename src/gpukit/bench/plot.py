@@ -32,11 +32,14 @@ _LABEL_WIDTH = 48  # characters a row label is wrapped at
 def formats() -> dict[str, str]:
     """The file suffixes (without the dot) matplotlib can write, each with its description.
 
-    Raises ``ImportError`` when matplotlib is not installed.
+    Without ``pgf``, which needs a TeX installation to draw any text. Raises ``ImportError``
+    when matplotlib is not installed.
     """
     from matplotlib.backend_bases import FigureCanvasBase
 
-    return dict(FigureCanvasBase.get_supported_filetypes())
+    known = dict(FigureCanvasBase.get_supported_filetypes())
+    known.pop("pgf", None)
+    return known
 
 
 def describe_machine(machine: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpukit.cli._args import OutputFile
 from gpukit.cli._output import console
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import GpukitError, InvalidArgumentError
 from gpukit.untrusted import dumps, write_output
 
 if TYPE_CHECKING:
@@ -103,16 +103,18 @@ def plot_format(path: str) -> str:
     except ImportError as exc:
         raise _no_matplotlib() from exc
     suffix = os.path.splitext(path)[1].lower().lstrip(".")
-    some = ", ".join(f".{name}" for name in sorted(known)[:8])
+    usual = [name for name in ("png", "svg", "pdf") if name in known]
+    others = ", ".join(f".{name}" for name in sorted(set(known) - set(usual)))
+    choices = f"{', '.join(f'.{name}' for name in usual)} (matplotlib also writes {others})"
     if not suffix:
         raise InvalidArgumentError(
             f"--plot {path} has no suffix, and the suffix names the picture's format.",
-            hint=f"Name the file with one, e.g. --plot {path}.png (also {some}...).",
+            hint=f"Name the file with one, e.g. --plot {path}.png; suffixes: {choices}.",
         )
     if suffix not in known:
         raise InvalidArgumentError(
             f"--plot {path}: matplotlib cannot write .{suffix} pictures.",
-            hint=f"Name a file ending in .png (or {some}...).",
+            hint=f"Name a file ending in {choices}.",
         )
     return suffix
 
@@ -187,7 +189,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from gpukit.bench.plot import render
 
-        picture = render(results, machine=machine, quick=args.quick, fmt=fmt or "png")
+        try:
+            picture = render(results, machine=machine, quick=args.quick, fmt=fmt or "png")
+        except Exception as exc:  # a format's own needs (fonts, codecs) show only when drawing
+            raise GpukitError(
+                f"Cannot draw --plot {args.plot}: {type(exc).__name__}: {exc}",
+                hint="Name a .png file; the figures are in the table above"
+                + (f" and in {args.json}." if args.json else "."),
+            ) from exc
         _write("--plot", args.plot, picture)
         wrote.append(f"the plot to {args.plot}")
     if wrote:
