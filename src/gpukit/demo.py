@@ -276,7 +276,8 @@ def _save_and_reload(
     with tempfile.TemporaryDirectory(prefix="gpukit-demo-") as tmp:
         path = Path(config.checkpoint) if config.checkpoint else Path(tmp) / "digits.safetensors"
         save(model, path)  # the wrapper is unwrapped: keys come out clean
-        emit(DemoEvent("saved", {"path": str(path), "bytes": path.stat().st_size}))
+        saved = {"path": str(path), "bytes": path.stat().st_size}
+        emit(DemoEvent("saved", {**saved, "temporary": not config.checkpoint}))
         fresh = DigitsNet()  # a plain model on the CPU, as on a machine without GPUs
         report = load(fresh, path)
     kept = str(path) if config.checkpoint else None

@@ -70,6 +70,7 @@ __all__ = [
     "read_bounded",
     "read_file",
     "read_streams",
+    "write_output",
 ]
 
 DEPTH = 32
@@ -439,3 +440,46 @@ def read_streams(fds: Sequence[int], limits: Sequence[int], *, timeout: float) -
                 if len(data[i]) > limits[i]:
                     return Streams(tuple(map(bytes, data)), over_limit=i)
     return Streams(tuple(map(bytes, data)))
+
+
+def write_output(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
+    """Put ``data`` at ``path`` in one step, never through a link and never into a FIFO.
+
+    For an output named long before it is written (``gpukit bench --json/--plot`` after the
+    whole run), in a folder others may write: the folder is opened once, a new temporary file
+    is created in it with ``O_EXCL | O_NOFOLLOW`` (``mode`` less the umask), written, fsynced
+    and renamed over the name relative to the folder's descriptor. Whatever was planted at the
+    name meanwhile (a link to one of your files, a FIFO) is replaced, never opened; a reader
+    sees the old file or the new one. ``OSError`` is left to the caller (a folder gone, another
+    user's file in a sticky folder, a folder at the name).
+
+    >>> write_output("/tmp/out.json", b"{}")   # doctest: +SKIP
+    """
+    import contextlib
+    import secrets
+
+    folder, name = os.path.split(os.fspath(path))
+    if not name or name in (".", ".."):
+        raise IsADirectoryError(getattr(os, "EISDIR", 21), "names a folder, not a file", path)
+    dir_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            temp = f".{name[:200]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            try:
+                fd = os.open(temp, flags, mode, dir_fd=dir_fd)
+            except FileExistsError:  # someone's name, maybe planted: never reused
+                continue
+            break
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)

@@ -30,3 +30,25 @@ def test_suite_reports_positive_figures_against_an_alternative(suite: str) -> No
         assert result.baseline_name
         assert result.ratio is not None
         assert result.ratio > 0
+
+
+def test_a_larger_batch_found_counts_as_better_and_fewer_tries_too() -> None:
+    from gpukit.bench import batch_size
+
+    try:
+        results = batch_size.run(quick=True)
+    except ImportError as exc:
+        skip_without_bench_extra(exc)
+    way = {r.name.split(",")[0]: r.higher_is_better for r in results}
+    assert way == {"size found": True, "tries": False}
+
+
+def test_startup_goals_are_numbers_the_plot_can_mark() -> None:
+    from gpukit.bench.startup import _TORCH, _results
+
+    times = {"gpukit list --json": 0.1, "gpukit queue --json": 0.2, _TORCH: 1.0, "gpustat": 0.5}
+    codes = dict.fromkeys(times, 0)
+    goals = {(r.name, r.baseline_name): (r.target, r.target_ratio) for r in _results(times, codes)}
+    assert goals[("gpukit list --json", _TORCH)] == ("< 0.15", 0.15)
+    assert goals[("gpukit queue --json", _TORCH)] == ("< 0.2", 0.2)
+    assert goals[("gpukit list --json", "gpustat")] == ("<= 1", 1.0)

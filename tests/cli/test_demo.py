@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,3 +94,55 @@ def test_a_devices_list_that_names_no_device_is_refused(
 ) -> None:
     assert main(["demo", "--devices", devices]) == 2
     assert "names no device" in capsys.readouterr().err
+
+
+def _result(seconds: float) -> Any:
+    from gpukit.demo import DemoResult
+
+    return DemoResult(
+        devices=["cpu"], epochs=1, batch_size=64, seed=0, train_samples=1, test_samples=1,
+        replica_batch_sizes=[16], gathered_output_shape=[16, 10], epoch_losses=[0.1],
+        epoch_accuracies=[0.9], test_accuracy=0.9, reloaded_accuracy=0.9, checkpoint=None,
+        prefixes_removed=[], seconds=seconds, samples_per_second=100.0,
+    )  # fmt: skip
+
+
+def test_demo_says_what_it_loads_before_anything_else(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gpukit.demo
+
+    printed_before: list[str] = []
+
+    def run_demo(*args: object, **kwargs: object) -> Any:
+        printed_before.append(capsys.readouterr().out)
+        return _result(1.0)
+
+    monkeypatch.setattr(gpukit.demo, "run_demo", run_demo)
+    assert main(["demo", "--replicas", "1"]) == 0
+    assert printed_before == ["Loading torch and the digits data...\n"]
+
+
+def test_done_in_counts_the_loading_time_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gpukit.demo
+    from gpukit.cli import demo as demo_command
+
+    clock = iter([100.0, 117.5])  # the command's start, then its end
+    monkeypatch.setattr(demo_command.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(gpukit.demo, "run_demo", lambda *a, **k: _result(2.0))
+    assert main(["demo", "--replicas", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("Done in 17.5 s (training 2.0 s, 100 samples/s)")
+
+
+def test_demo_says_its_checkpoint_is_temporary_and_how_to_keep_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--replicas", "1", "--epochs", "1"]) == 0
+    [saved] = [line for line in capsys.readouterr().out.splitlines() if "gk.save" in line]
+    assert saved.startswith("Saved with gk.save to a temporary file: ")
+    assert saved.endswith("removed when the demo ends; --save FILE keeps it.")
+    path = saved.split(": ", 1)[1].split(" (", 1)[0]
+    assert not Path(path).exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Iterator
@@ -11,7 +12,9 @@ from typing import Any
 import pytest
 
 from gpukit.gpus.claims import claim
+from gpukit.gpus.sharing import Sharing
 from gpukit.gpus.waiting import Ticket
+from gpukit.serve import sampler as sampler_module
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
@@ -128,3 +131,87 @@ def test_page_fits_a_phone_screen(serve_machine: Any, browser: Any) -> None:
         assert box["width"] <= 390
     finally:
         context.close()
+
+
+A100_4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"
+
+
+def test_page_shows_claims_as_unknown_never_free_when_the_lock_folder_is_refused(
+    serve_machine: Any, page: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    (tmp_path / "real-locks").mkdir()
+    os.symlink(tmp_path / "real-locks", tmp_path / "link-locks")
+    monkeypatch.setenv("GPUKIT_LOCK_DIR", str(tmp_path / "link-locks"))
+    served.sampler.sample()
+    page.goto(served.url)
+    page.wait_for_selector("section.card[data-gpu='7']")
+    assert page.locator(".badge.free").count() == 0
+    assert page.locator("section.card[data-gpu='2'] .badge.unknown").inner_text() == (
+        "claim unknown"
+    )
+    summary = page.locator("#summary").inner_text()
+    assert "claims unknown" in summary
+    assert "0 claimed" not in summary
+    banner = page.locator("#error").inner_text()
+    assert banner.startswith("Claims unknown: ")
+    assert "Reading the GPUs failed" not in banner
+    assert "Last reading failed" not in banner
+    assert page.problems == []
+
+
+def test_page_says_the_gpus_shown_are_an_old_reading_when_reading_them_fails(
+    serve_machine: Any, page: Any
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    served.machine.write_text('{"nvml_error": "DriverNotLoaded", "gpus": []}')
+    served.sampler.sample()
+    page.goto(served.url)
+    page.wait_for_selector("section.card[data-gpu='7']")
+    banner = page.locator("#error").inner_text()
+    assert banner.startswith("Reading the GPUs failed (showing the reading of ")
+    assert "Claims unknown" not in banner
+    assert page.locator("section.card[data-gpu='2'] .badge.free").count() == 1
+    assert page.problems == []
+
+
+def test_page_shows_each_claims_command_and_how_long_it_has_been_held(
+    serve_machine: Any, page: Any
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    with claim([A100_4], command="python sweep.py --lr 3e-4"):
+        served.sampler.sample()
+        page.goto(served.url)
+        held = page.locator("section.card[data-gpu='4'] p.claim")
+        sync_api.expect(held).to_contain_text("python sweep.py --lr 3e-4")
+        assert held.locator(".held").inner_text() == "held under a minute"
+    assert page.problems == []
+
+
+def test_page_shows_waiters_commands_as_text(
+    serve_machine: Any, page: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hostile = "<img src=x onerror=\"document.title='owned'\"> train.py"
+    real = sampler_module.sharing
+
+    class _WithCommands(Sharing):
+        def to_json(self) -> dict[str, Any]:
+            doc = super().to_json()
+            for waiter in doc["waiters"]:
+                waiter["command"] = hostile
+            return doc
+
+    def sharing(*args: Any, **kwargs: Any) -> Sharing:
+        now = real(*args, **kwargs)
+        return _WithCommands(**{f.name: getattr(now, f.name) for f in dataclasses.fields(now)})
+
+    monkeypatch.setattr(sampler_module, "sharing", sharing)
+    served = serve_machine("server-8xA100-shared")
+    with Ticket(command=hostile):
+        served.sampler.sample()
+        page.goto(served.url)
+        waiter = page.locator("#line li .cmd")
+        sync_api.expect(waiter).to_have_text(hostile)
+    assert page.title() == "gpukit"
+    assert page.locator("img").count() == 0
+    assert page.problems == []

@@ -95,6 +95,7 @@ def run(quick: bool = False) -> list[BenchResult]:
                     baseline_name="accelerate find_executable_batch_size",
                     baseline_value=theirs,
                     note="ratio above 1: gpukit found a larger batch",
+                    higher_is_better=True,
                     extra=extra,
                 )
             )

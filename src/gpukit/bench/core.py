@@ -16,8 +16,12 @@ from typing import Any
 class BenchResult:
     """One measured figure, and the alternative it was measured against.
 
-    ``ratio`` is ``value / baseline_value``: below 1 means gpukit (or the first option) took
-    less time, or less memory, than the alternative.
+    ``ratio`` is ``value / baseline_value``. For times and memory (``higher_is_better``
+    False) below 1 means gpukit (or the first option) took less than the alternative; for a
+    rate or a size found (``higher_is_better`` True) above 1 is the better result.
+    ``target`` is the goal as the table prints it; ``target_ratio`` (a ratio) or
+    ``target_value`` (in ``unit``) is the same goal as a number, drawn as the target mark on
+    ``gpukit bench --plot``.
     """
 
     suite: str
@@ -29,6 +33,9 @@ class BenchResult:
     target: str | None = None
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    higher_is_better: bool = False
+    target_ratio: float | None = None
+    target_value: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -36,6 +43,17 @@ class BenchResult:
             return None
         assert self.baseline_value is not None
         return self.value / self.baseline_value
+
+    @property
+    def target_as_ratio(self) -> float | None:
+        """The goal on the ratio's scale: ``target_ratio``, or ``target_value`` divided by
+        the alternative's value; None without a numeric goal."""
+        if self.target_ratio is not None:
+            return self.target_ratio
+        if self.target_value is None or self.baseline_value in (None, 0):
+            return None
+        assert self.baseline_value is not None
+        return self.target_value / self.baseline_value
 
     def to_json(self) -> dict[str, Any]:
         """A plain dict, with the ratio included."""

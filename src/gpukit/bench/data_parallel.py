@@ -98,6 +98,7 @@ def run(quick: bool = False) -> list[BenchResult]:
                 baseline_name="plain module",
                 baseline_value=times["plain"] * 1e3,
                 target="ratio < 1.05" if replicas == "1" else None,
+                target_ratio=1.05 if replicas == "1" else None,
                 note=model,
                 extra={"machine": machine, "torch_threads": 1},
             )

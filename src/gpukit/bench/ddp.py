@@ -78,6 +78,7 @@ def run(quick: bool = False) -> list[BenchResult]:
                 baseline_name="1 process",
                 baseline_value=one,
                 note=f"{model}; ratio above 1 is a speed-up",
+                higher_is_better=True,
                 extra={"machine": machine_description()},
             )
         )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
-import json
 import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -13,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpukit.cli._args import OutputFile
 from gpukit.cli._output import console
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import GpukitError, InvalidArgumentError
+from gpukit.untrusted import dumps, write_output
 
 if TYPE_CHECKING:
     from gpukit.bench.core import BenchResult
@@ -44,7 +43,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--json", type=OutputFile(), metavar="FILE", help="also write the results as JSON to FILE"
     )
     parser.add_argument(
-        "--plot", type=OutputFile(), metavar="FILE.png", help="draw the ratios (needs matplotlib)"
+        "--plot",
+        type=OutputFile(),
+        metavar="FILE.png",
+        help="draw the ratios to FILE, written under exactly that name; its suffix names the "
+        "format (.png, .svg, .pdf...) and a name without one is refused (needs matplotlib)",
     )
 
 
@@ -86,31 +89,44 @@ def _no_matplotlib() -> InvalidArgumentError:
     )
 
 
-def _plot(results: Sequence[BenchResult], path: str) -> None:
-    try:
-        import matplotlib
+def plot_format(path: str) -> str:
+    """The picture format ``--plot path`` asks for, by its suffix; checked before any work.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    A usage error when matplotlib is missing or cannot write that suffix: found after the
+    whole run, the results would be lost. The file is written under exactly the name given, so
+    a name without a suffix is refused rather than quietly given one.
+    """
+    try:
+        from gpukit.bench.plot import formats
+
+        known = formats()
     except ImportError as exc:
         raise _no_matplotlib() from exc
-    rows = [r for r in results if r.ratio is not None]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
-    labels = [f"{r.suite}: {r.name}\nvs {r.baseline_name}" for r in rows]
-    ax.barh(labels, [r.ratio or 0.0 for r in rows], color="#4c72b0")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("ratio (gpukit / alternative; below 1 is better for time and memory)")
-    ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    usual = [name for name in ("png", "svg", "pdf") if name in known]
+    others = ", ".join(f".{name}" for name in sorted(set(known) - set(usual)))
+    choices = f"{', '.join(f'.{name}' for name in usual)} (matplotlib also writes {others})"
+    if not suffix:
+        raise InvalidArgumentError(
+            f"--plot {path} has no suffix, and the suffix names the picture's format.",
+            hint=f"Name the file with one, e.g. --plot {path}.png; suffixes: {choices}.",
+        )
+    if suffix not in known:
+        raise InvalidArgumentError(
+            f"--plot {path}: matplotlib cannot write .{suffix} pictures.",
+            hint=f"Name a file ending in {choices}.",
+        )
+    return suffix
 
 
-def _write_new_or_own(path: str, text: str) -> None:
-    # O_NOFOLLOW: a link planted at the path since the arguments were checked is not followed.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(text)
+def _write(option: str, path: str, data: bytes) -> None:
+    try:
+        write_output(path, data)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"Cannot write {option} {path}: {exc.strerror or exc}.",
+            hint="Name a file in a folder you can write; the results are in the table above.",
+        ) from exc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
             f"unknown suite {', '.join(unknown)}.", hint=f"Choose from {', '.join(SUITES)}."
         )
     # Found now, not after the whole run: the results would be lost.
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise _no_matplotlib()
+    fmt = plot_format(args.plot) if args.plot else None
     results: list[BenchResult] = []
     skipped: list[str] = []
     err = console(stderr=True)
@@ -156,16 +171,34 @@ def run(args: argparse.Namespace) -> int:
     print_results(results)
     for line in skipped:
         err.print(f"skipped {line}")
+    machine = machine_description() if args.json or args.plot else {}
+    wrote = []
+    # Rendered in memory and written in one step by descriptor only now: whatever was planted
+    # at the name during the run (a link, a FIFO) is replaced, never followed or opened.
     if args.json:
         payload: dict[str, Any] = {
             "schema": "gpukit.bench/1",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine_description(),
+            "machine": machine,
             "quick": args.quick,
             "results": [r.to_json() for r in results],
             "skipped": skipped,
         }
-        _write_new_or_own(args.json, json.dumps(payload, indent=2) + "\n")
+        _write("--json", args.json, (dumps(payload, indent=2, default=str) + "\n").encode())
+        wrote.append(f"the results to {args.json}")
     if args.plot:
-        _plot(results, args.plot)
+        from gpukit.bench.plot import render
+
+        try:
+            picture = render(results, machine=machine, quick=args.quick, fmt=fmt or "png")
+        except Exception as exc:  # a format's own needs (fonts, codecs) show only when drawing
+            raise GpukitError(
+                f"Cannot draw --plot {args.plot}: {type(exc).__name__}: {exc}",
+                hint="Name a .png file; the figures are in the table above"
+                + (f" and in {args.json}." if args.json else "."),
+            ) from exc
+        _write("--plot", args.plot, picture)
+        wrote.append(f"the plot to {args.plot}")
+    if wrote:
+        console().print(f"wrote {' and '.join(wrote)}", soft_wrap=True)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,7 +122,13 @@ class _Renderer:
             )
         elif event.kind == "saved":
             self.progress.stop()
-            out.print(f"Saved with gk.save: {data['path']} ({data['bytes']:,} bytes)")
+            if data.get("temporary"):
+                out.print(
+                    f"Saved with gk.save to a temporary file: {data['path']} "
+                    f"({data['bytes']:,} bytes), removed when the demo ends; --save FILE keeps it."
+                )
+            else:
+                out.print(f"Saved with gk.save: {data['path']} ({data['bytes']:,} bytes)")
         elif event.kind == "reloaded":
             verdict = "matches" if data["matches"] else "DOES NOT MATCH"
             out.print(
@@ -132,13 +139,18 @@ class _Renderer:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; print its story, or a JSON summary with ``--json``."""
+    started = time.perf_counter()
+    devices = _devices(args)
+    if not args.json:
+        # Importing torch and scikit-learn takes seconds (15 and more on a busy machine).
+        console().print("Loading torch and the digits data...")
     from gpukit.checkpoint.io import suffix_format
     from gpukit.demo import DemoConfig, run_demo
 
     if args.save:  # before training, not after it
         suffix_format(Path(args.save))
     config = DemoConfig(
-        devices=_devices(args),
+        devices=devices,
         epochs=args.epochs,
         batch_size=args.batch_size,
         seed=args.seed,
@@ -153,8 +165,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_json())
     else:
+        total = time.perf_counter() - started  # loading, training, saving and reloading
         console().print(
-            f"Done in {result.seconds:.1f} s ({result.samples_per_second:.0f} samples/s): "
-            f"test accuracy {result.test_accuracy:.2%}."
+            f"Done in {total:.1f} s (training {result.seconds:.1f} s, "
+            f"{result.samples_per_second:.0f} samples/s): test accuracy {result.test_accuracy:.2%}."
         )
     return 0 if result.reloaded_accuracy == result.test_accuracy else 1

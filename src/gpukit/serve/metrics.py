@@ -28,9 +28,11 @@ def _text(value: object, limit: int = 64) -> str:
 
 
 class _SampleCollector(Collector):
-    def __init__(self, inv: Inventory | None, queue: Sharing | None, ok: bool) -> None:
+    def __init__(self, inv: Inventory | None, queue: Sharing | None, ok: bool, stale: bool) -> None:
         self.inv = inv
         self.ok = ok
+        self.stale = stale
+        self.claims_known = queue is not None
         self.waiters = None if queue is None else len(queue.waiters)
         # GPU index -> holder's user; None when the lock folder was refused (claims unknown).
         self.holders: dict[int, str | None] | None = None
@@ -48,6 +50,19 @@ class _SampleCollector(Collector):
         )
         up.add_metric([], 1.0 if self.ok and self.inv is not None else 0.0)
         yield up
+        claims_up = GaugeMetricFamily(
+            "gpukit_claims_up",
+            "1 when the last sample read the claims and the line of waiters, 0 when they are "
+            "unknown (lock folder refused or unreadable)",
+        )
+        claims_up.add_metric([], 1.0 if self.claims_known else 0.0)
+        yield claims_up
+        stale = GaugeMetricFamily(
+            "gpukit_sample_stale",
+            "1 when any part of the last sample failed (see the dashboard for which and why)",
+        )
+        stale.add_metric([], 1.0 if self.stale else 0.0)
+        yield stale
         waiters = GaugeMetricFamily(
             "gpukit_waiters", "Processes waiting in line for GPUs (gpukit run --wait)"
         )
@@ -146,11 +161,17 @@ class _SampleCollector(Collector):
         yield mig_total
 
 
-def exposition(inv: Inventory | None, queue: Sharing | None, *, ok: bool = True) -> bytes:
+def exposition(
+    inv: Inventory | None, queue: Sharing | None, *, ok: bool = True, stale: bool | None = None
+) -> bytes:
     """The Prometheus text exposition of one sample (what ``/metrics`` answers).
 
-    ``queue`` is ``gpukit queue``'s snapshot (holders, waiters), ``None`` when unknown.
+    ``queue`` is ``gpukit queue``'s snapshot (holders, waiters), ``None`` when unknown. ``ok``
+    says NVML was read; ``stale`` that some part of the sample failed (by default: NVML not
+    read or claims unknown).
     """
+    if stale is None:
+        stale = not ok or queue is None
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SampleCollector(inv, queue, ok))
+    registry.register(_SampleCollector(inv, queue, ok, stale))
     return generate_latest(registry)

@@ -5,12 +5,17 @@ snapshot: holders, waiters) every ``interval`` seconds on its own thread, and re
 everything the server hands out (the Prometheus text, the JSON documents) right there. A request
 only picks up the bytes of the last sample, so a slow client never delays sampling and a scrape
 costs the same however busy the machine is.
+
+A sample has parts: ``"gpus"`` (NVML's reading) and ``"claims"`` (holders and the line, read
+from the lock folder, which other users write). Whatever one part raises, the others are still
+read and served, and the sample is marked stale with the part and why in
+:attr:`Sample.failed`: the GPUs of the last good reading are kept and said to be old, claims
+that could not be read are unknown (never "free"). A server never stops on someone else's file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import sys
 import threading
@@ -23,6 +28,7 @@ from typing import Any
 from gpukit.errors import GpukitError, InvalidArgumentError
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.sharing import Sharing, sharing
+from gpukit.untrusted import dumps, printable
 
 HISTORY_S = 3600.0
 """How far back the in-memory history reaches (the dashboard's charts show the last hour)."""
@@ -40,11 +46,19 @@ class Sample:
     queue: Sharing | None
     """Holders and waiters; ``None`` when the lock folder was refused as unsafe."""
     error: str | None
-    """Why the last reading failed (the previous inventory is kept, marked stale)."""
+    """Why the GPUs could not be read (the previous inventory is kept, marked stale)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """The parts of this sample that failed (``"gpus"``, ``"claims"``, ``"history"``,
+    ``"render"``), each with why; empty when every part was read."""
     metrics: bytes = b""
     inventory_json: bytes = b""
     queue_json: bytes = b""
     state_json: bytes = b""
+
+    @property
+    def stale(self) -> bool:
+        """True when any part of this sample failed: what it shows is old or unknown."""
+        return bool(self.failed)
 
 
 @dataclass
@@ -112,7 +126,14 @@ class History:
 
 
 def _dumps(payload: Any) -> bytes:
-    return json.dumps(payload, default=str, separators=(",", ":")).encode()
+    # No NaN or Infinity: the page's JSON.parse would refuse the whole document.
+    return dumps(payload, default=str, separators=(",", ":")).encode()
+
+
+def _why(exc: BaseException) -> str:
+    """One printable line for a failure, whoever wrote the text in it."""
+    text = exc.message if isinstance(exc, GpukitError) else f"{type(exc).__name__}: {exc}"
+    return printable(text, limit=300) or type(exc).__name__
 
 
 class Sampler:
@@ -156,51 +177,78 @@ class Sampler:
         return self._latest
 
     def sample(self) -> Sample:
-        """Read the machine once, render every document, and make it the latest sample."""
+        """Read the machine once, render every document, and make it the latest sample.
+
+        Never raises for a part that fails (see the module's notes): that part is named in
+        :attr:`Sample.failed`, and the sample is stale.
+        """
+        previous = self._latest
+        failed: dict[str, str] = {}
+        inv = self._read_gpus(previous, failed)
+        queue = self._read_claims(inv, failed) if inv is not None else None
+        try:
+            sample = self._render(inv, queue, failed)
+        except Exception as exc:  # a reading no renderer expected: still serve something
+            failed["render"] = f"Rendering failed: {_why(exc)}"
+            sample = self._render(None, None, failed)
+        self._latest = sample  # one reference swap: readers see the old sample or the new one
+        return sample
+
+    def _read_gpus(self, previous: Sample | None, failed: dict[str, str]) -> Inventory | None:
+        try:
+            inv = self._read()
+        except Exception as exc:
+            failed["gpus"] = _why(exc)
+            if isinstance(exc, GpukitError):
+                self._failure = exc
+            return previous.inventory if previous else None
+        try:
+            self.history.add(inv)
+        except Exception as exc:  # a reading the history cannot hold: the rest still serves
+            failed["history"] = f"History not updated: {_why(exc)}"
+        return inv
+
+    @staticmethod
+    def _read_claims(inv: Inventory, failed: dict[str, str]) -> Sharing | None:
+        try:
+            # Read-only: the server shows the line and the holders; it keeps no idle ledger.
+            return sharing(inv, observe=False)
+        except Exception as exc:  # a refused lock folder, a co-user's hostile file, a bug
+            failed["claims"] = f"Claims unknown: {_why(exc)}"
+            return None
+
+    def _render(
+        self, inv: Inventory | None, queue: Sharing | None, failed: dict[str, str]
+    ) -> Sample:
         from gpukit.serve.metrics import exposition
 
-        previous = self._latest
-        error = None
-        try:
-            inv: Inventory | None = self._read()
-        except GpukitError as exc:
-            inv, error = (previous.inventory if previous else None), exc.message
-            self._failure = exc
-        if inv is not None and error is None:
-            self.history.add(inv)
-        queue = None
-        lock_error = None
-        if inv is not None:
-            try:
-                # Read-only: the server shows the line and the holders; it keeps no idle ledger.
-                queue = sharing(inv, observe=False)
-            except GpukitError as exc:  # a refused lock folder: the GPUs are still worth showing
-                lock_error = f"Claims unknown: {exc.message}"
         now = time.time()
+        error = failed.get("gpus")
         inv_doc = None if inv is None else inv.to_json()
-        queue_doc = queue.to_json() if queue is not None else {"error": lock_error or error}
+        queue_doc = queue.to_json() if queue is not None else {"error": failed.get("claims")}
         state = {
             "schema": STATE_SCHEMA,
             "host": self.host,
             "taken_at": now,
             "interval_s": self.interval,
-            "error": "; ".join(filter(None, [error, lock_error])) or None,
+            "error": "; ".join(failed.values()) or None,
+            "stale": bool(failed),
+            "failed": failed,
             "inventory": inv_doc,
             "queue": queue_doc,
             "history": self.history.chart(now),
         }
-        sample = Sample(
+        return Sample(
             taken_at=now,
             inventory=inv,
             queue=queue,
             error=error,
-            metrics=exposition(inv, queue, ok=error is None),
+            failed=dict(failed),
+            metrics=exposition(inv, queue, ok="gpus" not in failed, stale=bool(failed)),
             inventory_json=_dumps(inv_doc if inv_doc is not None else {"error": error}),
             queue_json=_dumps(queue_doc),
             state_json=_dumps(state),
         )
-        self._latest = sample  # one reference swap: readers see the old sample or the new one
-        return sample
 
     def start(self) -> None:
         """Take the first sample here (so that errors such as NoDriverError surface), then keep
@@ -208,6 +256,8 @@ class Sampler:
         self._failure = None
         if self.sample().inventory is None and self._failure is not None:
             raise self._failure  # nothing to serve at all: no driver, no NVML
+        # Any other failed part (a co-user's hostile ticket, a refused lock folder) is served
+        # as such: the page and /metrics say what failed.
         self._thread = threading.Thread(target=self._loop, name="gpukit-sampler", daemon=True)
         self._thread.start()
 

@@ -10,6 +10,7 @@ rendered, so a request needs no framework, only a thread that writes them. That 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import socket
@@ -31,7 +32,24 @@ _STATIC = {
 }
 _JSON = "application/json"
 # The page loads only its own files: a user or command name shown on it can never run as code.
-_CSP = "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'"
+# No other site may frame it either.
+_CSP = (
+    "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
+_SECURITY_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": _CSP,
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+MAX_CONNECTIONS = 256
+"""Connections answered at once, one thread each; more are answered 503 and closed at once."""
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n"
+    b"Retry-After: 1\r\n\r\n"
+)
 
 
 def _static(name: str) -> bytes:
@@ -70,12 +88,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", _CSP)
         self.end_headers()
         if not head:
             self.wfile.write(body)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # A request line that does not parse leaves the HTTP/0.9 default, under which the
+        # standard library sends a bare page: answer with a status line and headers instead.
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        super().send_error(code, message, explain)
+
+    def end_headers(self) -> None:
+        # Here rather than in _send: the standard library's own answers (400, 414, 431, 501
+        # from send_error) carry them too.
+        for name, value in _SECURITY_HEADERS.items():
+            self.send_header(name, value)
+        super().end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a dashboard polled every few seconds would flood the log
@@ -87,8 +116,11 @@ class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], sampler: Sampler) -> None:
+    def __init__(
+        self, address: tuple[str, int], sampler: Sampler, *, max_connections: int = MAX_CONNECTIONS
+    ) -> None:
         host, port = address
+        self._slots = threading.BoundedSemaphore(max_connections)
         try:
             self.address_family = (
                 socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
@@ -108,6 +140,28 @@ class DashboardServer(ThreadingHTTPServer):
         self.loopback = is_loopback(host)
         self._static = {path: (_static(name), kind) for path, (name, kind) in _STATIC.items()}
         self._thread: threading.Thread | None = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Answer ``request`` on its own thread, unless ``max_connections`` are open already:
+        then say 503 and close it at once, so that no number of clients can make the server
+        hold more threads than that."""
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.setblocking(False)
+                request.send(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()  # no thread started: it will not release its slot
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def accepts_host(self, header: str | None) -> bool:
         """Whether to answer a request whose ``Host`` header is ``header``.

@@ -82,7 +82,30 @@ function processList(procs) {
       el("span", { class: "amount" }, bytes(p.used_memory)))));
 }
 
-function card(gpu, claim, history) {
+// "2 h 05 min" for a claim held since `since` (Unix seconds, from its holder's record: may be
+// anything), as of `now`; "?" when the record's time is not one.
+function heldFor(since, now) {
+  if (typeof since !== "number" || !Number.isFinite(since) || since > now + 60) return "?";
+  const minutes = Math.floor(Math.max(0, now - since) / 60);
+  if (minutes < 1) return "under a minute";
+  if (minutes < 60) return minutes + " min";
+  const hours = Math.floor(minutes / 60);
+  if (hours < 48) return hours + " h " + String(minutes % 60).padStart(2, "0") + " min";
+  return Math.floor(hours / 24) + " days " + (hours % 24) + " h";
+}
+
+function claimLine(claim, now) {
+  // The holder's user is in the card's badge already: the line is for what runs, and since when.
+  return el("p", { class: "claim" },
+    el("span", { class: "cmd", title: claim.command ?? "" },
+      (claim.command ?? "?") + (claim.pid === null || claim.pid === undefined ? "" : " (" + claim.pid + ")")),
+    el("span", { class: "held" }, "held " + heldFor(claim.since, now)));
+}
+
+// `claims` is null when they are unknown (the lock folder was refused or could not be read):
+// then no GPU is called free.
+function card(gpu, claims, history, now) {
+  const claim = claims ? claims.get(gpu.index) : undefined;
   const title = el("h2", {}, "GPU " + gpu.index,
     el("span", { class: "model" }, (gpu.name || "").replace(/^NVIDIA /, "")));
   if (gpu.error) {
@@ -92,6 +115,9 @@ function card(gpu, claim, history) {
   if (claim) {
     title.append(el("span", { class: "badge claimed", title: claim.command ?? "" },
       "claimed by " + (claim.user ?? "?")));
+  } else if (!claims) {
+    title.append(el("span", { class: "badge unknown", title: "the claims could not be read" },
+      "claim unknown"));
   } else if (!gpu.processes.length) {
     title.append(el("span", { class: "badge free" }, "free"));
   }
@@ -112,17 +138,38 @@ function card(gpu, claim, history) {
     const frac = mig.memory_total ? mig.memory_used / mig.memory_total : null;
     parts.push(meter("MIG " + mig.index, "mem", frac, bytes(mig.memory_used) + " / " + bytes(mig.memory_total)));
   }
+  if (claim) parts.push(claimLine(claim, now));
   parts.push(processList(gpu.processes));
   return el("section", { class: "card", "data-gpu": gpu.index, "data-uuid": gpu.uuid }, ...parts);
 }
 
+function clock(seconds) {
+  return typeof seconds === "number" ? new Date(seconds * 1000).toLocaleTimeString() : "?";
+}
+
+// What failed in this sample, part by part, as the sampler says it; an older server sends only
+// `error`, for the GPUs' reading.
+function problems(state) {
+  const failed = state.failed && typeof state.failed === "object" ? state.failed : null;
+  if (!failed) return state.error ? ["Last reading failed: " + state.error] : [];
+  const lines = [];
+  if (failed.gpus) {
+    const inv = state.inventory;
+    lines.push("Reading the GPUs failed" +
+      (inv ? " (showing the reading of " + clock(inv.taken_at) + ")" : "") + ": " + failed.gpus);
+  }
+  for (const [part, why] of Object.entries(failed)) if (part !== "gpus") lines.push(String(why));
+  return lines;
+}
+
 function render(state) {
   const inv = state.inventory;
-  const queue = state.queue;
+  const queue = state.queue || {};
   document.getElementById("host").textContent = state.host ? "· " + state.host : "";
   const error = document.getElementById("error");
-  error.hidden = !state.error;
-  error.textContent = state.error ? "Last reading failed: " + state.error : "";
+  const lines = problems(state);
+  error.hidden = !lines.length;
+  error.replaceChildren(...lines.map((text) => el("span", { class: "problem" }, text)));
   const gpus = inv ? inv.gpus : [];
   const claims = holders(queue);
   const line = Array.isArray(queue.waiters) ? queue.waiters : null;
@@ -132,24 +179,27 @@ function render(state) {
   document.getElementById("summary").textContent =
     gpus.length + (gpus.length === 1 ? " GPU" : " GPUs") +
     (inv ? " · driver " + (inv.driver_version ?? "n/a") + " · CUDA " + (inv.cuda_driver_version ?? "n/a") : "") +
-    " · " + claims.size + " claimed · " + waiters + " in line · updated " + when;
+    " · " + (claims ? claims.size + " claimed" : "claims unknown") + " · " + waiters +
+    " in line · updated " + when;
   const list = document.getElementById("line");
   list.hidden = !(line && line.length);
   list.replaceChildren(...(line || []).map((w) => el("li", {},
     el("span", { class: "user" }, w.user ?? "?"),
     " waits for " + (w.n ?? "?") + (w.n === 1 ? " GPU" : " GPUs") +
-    (w.criteria ? " (" + w.criteria + ")" : "") + (w.reason ? ": " + w.reason : ""))));
+    (w.criteria ? " (" + w.criteria + ")" : "") + (w.reason ? ": " + w.reason : ""),
+    typeof w.command === "string" && w.command ? el("span", { class: "cmd" }, w.command) : null)));
   const history = state.history.gpus;
   document.getElementById("gpus").replaceChildren(
-    ...gpus.map((g) => card(g, claims.get(g.index), history[g.uuid])));
+    ...gpus.map((g) => card(g, claims, history[g.uuid], state.taken_at)));
 }
 
-// GPU index -> who holds it, from gpukit queue's snapshot (gpukit.queue/1). A document with an
-// error instead (the lock folder was refused as unsafe) holds no claims anyone could trust.
+// GPU index -> who holds it, from gpukit queue's snapshot (gpukit.queue/1); null when the
+// document is an error instead (the lock folder was refused, or could not be read): unknown.
 function holders(queue) {
+  if (!Array.isArray(queue.holders)) return null;
   const byIndex = new Map();
-  for (const h of queue.holders || []) {
-    for (const index of h.gpus) if (index !== null) byIndex.set(index, h);
+  for (const h of queue.holders) {
+    for (const index of h.gpus || []) if (index !== null) byIndex.set(index, h);
   }
   return byIndex;
 }

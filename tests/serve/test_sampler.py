@@ -1,0 +1,136 @@
+"""The sampler serves what it could read and marks the rest: no part's failure stops a server."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpukit.gpus.claims import claim
+from gpukit.gpus.inventory import Inventory
+from gpukit.gpus.waiting import Ticket
+from gpukit.serve import sampler as sampler_module
+
+A100_4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"
+
+
+def _metrics(text: bytes) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _one(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    [(_, value)] = metrics[name]
+    return value
+
+
+def _raise(exc: BaseException) -> Any:
+    def read(*args: object, **kwargs: object) -> Any:
+        raise exc
+
+    return read
+
+
+def test_serve_starts_when_reading_the_claims_raises_anything(
+    serve_machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a co-user's ticket of deeply nested JSON did: not a GpukitError, not even an Exception
+    # that the lock folder's readers expect.
+    monkeypatch.setattr(sampler_module, "sharing", _raise(RecursionError("too deep")))
+    served = serve_machine("server-8xA100-shared")  # starts the sampler
+    sample = served.sampler.latest
+    assert sample.inventory is not None
+    assert sample.stale
+    assert sample.failed == {"claims": "Claims unknown: RecursionError: too deep"}
+    m = _metrics(sample.metrics)
+    assert _one(m, "gpukit_nvml_up") == 1
+    assert _one(m, "gpukit_claims_up") == 0
+    assert _one(m, "gpukit_sample_stale") == 1
+    assert "gpukit_gpu_claimed" not in m  # unknown, not "free"
+
+
+def test_a_running_sampler_stops_showing_old_claims_once_reading_them_fails(
+    serve_machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    with claim([A100_4], command="python sweep.py"):
+        good = _metrics(served.sampler.sample().metrics)
+        assert any(lab["gpu"] == "4" and v == 1 for lab, v in good["gpukit_gpu_claimed"])
+        monkeypatch.setattr(sampler_module, "sharing", _raise(KeyError("position")))
+        sample = served.sampler.sample()
+    m = _metrics(sample.metrics)
+    assert _one(m, "gpukit_sample_stale") == 1
+    assert _one(m, "gpukit_claims_up") == 0
+    assert "gpukit_gpu_claimed" not in m
+    state = json.loads(sample.state_json)
+    assert state["stale"] is True
+    assert state["failed"] == {"claims": "Claims unknown: KeyError: 'position'"}
+    assert state["queue"] == {"error": "Claims unknown: KeyError: 'position'"}
+
+
+def test_an_unexpected_error_reading_the_gpus_keeps_the_last_gpus_marked_stale(
+    serve_machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    before = served.sampler.latest.inventory
+    monkeypatch.setattr(served.sampler, "_read", _raise(OSError(5, "Input/output error")))
+    sample = served.sampler.sample()
+    assert sample.inventory is before
+    assert sample.failed["gpus"] == "OSError: [Errno 5] Input/output error"
+    m = _metrics(sample.metrics)
+    assert _one(m, "gpukit_nvml_up") == 0
+    assert _one(m, "gpukit_sample_stale") == 1
+    state = json.loads(sample.state_json)
+    assert state["inventory"]["taken_at"] == before.taken_at  # the page can say how old
+
+
+def test_a_failure_message_reaches_the_page_without_control_characters(
+    serve_machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+    monkeypatch.setattr(sampler_module, "sharing", _raise(ValueError("\x1b]0;owned\x07ticket")))
+    state = json.loads(served.sampler.sample().state_json)
+    assert state["failed"]["claims"] == "Claims unknown: ValueError: ?]0;owned?ticket"
+
+
+def test_a_reading_that_cannot_be_rendered_is_served_as_a_failure_not_a_crash(
+    serve_machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_machine("server-8xA100-shared")
+
+    def broken_json(self: Inventory) -> dict[str, Any]:
+        raise TypeError("a reading no renderer expected")
+
+    monkeypatch.setattr(Inventory, "to_json", broken_json)
+    sample = served.sampler.sample()
+    assert sample.failed["render"] == "Rendering failed: TypeError: a reading no renderer expected"
+    assert _one(_metrics(sample.metrics), "gpukit_sample_stale") == 1
+    assert json.loads(sample.state_json)["stale"] is True
+
+
+def test_a_full_sample_is_not_stale(serve_machine: Any) -> None:
+    sample = serve_machine("server-8xA100-shared").sampler.sample()
+    assert not sample.stale
+    m = _metrics(sample.metrics)
+    assert (_one(m, "gpukit_claims_up"), _one(m, "gpukit_sample_stale")) == (1, 0)
+    assert json.loads(sample.state_json)["failed"] == {}
+
+
+def test_serve_starts_beside_a_held_ticket_of_deeply_nested_json(serve_machine: Any) -> None:
+    with Ticket() as ticket:
+        # A co-user's ticket, locked by its live process, whose content is 60000 "[".
+        ticket.path.write_text("[" * 60000)
+        served = serve_machine("server-8xA100-shared")
+        sample = served.sampler.latest
+        assert sample.inventory is not None
+        # Either the reader refuses the ticket and the claims are read, or they are unknown and
+        # said to be: never the claims of some earlier sample.
+        assert (sample.queue is None) == ("claims" in sample.failed)
+        m = _metrics(sample.metrics)
+        assert _one(m, "gpukit_nvml_up") == 1
+        assert _one(m, "gpukit_claims_up") == (sample.queue is not None)
