@@ -442,6 +442,9 @@ def read_streams(fds: Sequence[int], limits: Sequence[int], *, timeout: float) -
     return Streams(tuple(map(bytes, data)))
 
 
+# --- writing files -----------------------------------------------------------------------
+
+
 def write_output(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
     """Put ``data`` at ``path`` in one step, never through a link and never into a FIFO.
 
