@@ -116,10 +116,11 @@ def test_a_folder_with_one_unsharded_file_loads_that_file(tmp_path: Path):
 
 
 def test_accelerate_save_model_folder_loads(tmp_path: Path):
-    from accelerate import Accelerator
-
+    accelerate = pytest.importorskip(
+        "accelerate", reason="accelerate is not installed (pip install 'gpukit[bench]')"
+    )
     source = _trained()
-    Accelerator(cpu=True).save_model(source, tmp_path / "acc", max_shard_size="4KB")
+    accelerate.Accelerator(cpu=True).save_model(source, tmp_path / "acc", max_shard_size="4KB")
     target = _net()
     assert gk.load(target, tmp_path / "acc").ok
     assert _same_weights(target, source)
