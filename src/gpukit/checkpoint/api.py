@@ -24,12 +24,12 @@ from torch import nn
 
 from gpukit import __version__, _tree
 from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
-from gpukit.checkpoint.dcp import DcpFolder
 from gpukit.checkpoint.io import SAFETENSORS, suffix_format
 from gpukit.checkpoint.keys import (
+    FoundWeights,
     clean_keys,
     copy_metadata,
-    find_state_dict,
+    find_weights,
     is_state_dict,
     unwrap,
 )
@@ -230,10 +230,11 @@ def _target(model: nn.Module, map_location: DeviceLike | Literal["auto"]) -> tor
         return torch.device("cpu")
 
 
-def _extras(content: object, container: str | None) -> dict[str, Any]:
-    if container is None or not isinstance(content, Mapping):
+def _extras(content: object, found: FoundWeights) -> dict[str, Any]:
+    if not found.others or not isinstance(content, Mapping):
         return {}
-    return {str(k): v for k, v in content.items() if k != container}
+    others = set(found.others)
+    return {str(k): v for k, v in content.items() if str(k) in others}
 
 
 def load(
@@ -247,10 +248,15 @@ def load(
     """Load a checkpoint into ``model``, whatever wrapped it and wherever it was saved.
 
     ``path`` is a checkpoint file (``.safetensors`` or torch, recognised by content), a sharded
-    folder or its index file (Hugging Face's layout, safetensors or ``.bin`` shards), or a
-    torch.distributed.checkpoint (DCP) folder. The weights are found in common containers
-    (``"state_dict"``, ``"model"``, ...); wrapper segments (``module.``, ``_orig_mod.``,
-    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, ``_forward_module.``) and a
+    folder or its index file (Hugging Face's layout, safetensors or ``.bin`` shards), a
+    torch.distributed.checkpoint (DCP) folder, or a folder written by accelerate's
+    ``Accelerator.save_state`` (the first model's file is the weights; the optimizer, scheduler
+    and other files go into ``report.extras``, and a pickle that needs ``trust=True`` is left
+    unread and named in ``report.unread``). The weights are found in common containers
+    (``"state_dict"``, ``"model"``, ...) or, where no entry is a state dict, are the top-level
+    tensors beside the other entries (torchtitan's layout); wrapper segments (``module.``,
+    ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
+    ``_forward_module.``) and a
     leading ``model.`` are removed when that is what makes the keys match, and tensors are
     mapped onto the model's device (``map_location="auto"``). Folders are read one shard at a
     time straight into the model's tensors, so the whole checkpoint is never in memory at once.
@@ -274,12 +280,13 @@ def load(
     target = _target(inner, map_location)
     raw = open_checkpoint(Path(path), target=target, trust=trust)
     try:
-        state, container = find_state_dict(raw.content)
+        found = find_weights(raw.content)
     except LookupError as exc:
         raise CheckpointError(
             f"{raw.path} holds no model weights: {exc}.",
             hint="Pass the file that holds the model's state_dict.",
         ) from None
+    state, container = found.state, found.container
     model_state = inner.state_dict()
     plan = plan_load(state, model_state, raw.metadata.get("tied"))
     folder = isinstance(raw, FolderCheckpoint)
@@ -295,21 +302,22 @@ def load(
         device=str(target),
         container_key=container,
         metadata=raw.metadata,
-        extras={} if folder else _extras(raw.content, container),
+        extras={} if folder else _extras(raw.content, found),
         tied=plan.tied,
+        weights_at_top_level=found.top_level,
     )
     if strict and not report.ok:
         raise mismatch_error(report, type(inner).__name__)
     if isinstance(raw, FolderCheckpoint):
-        if container is not None and isinstance(raw.source, DcpFolder):
-            # The rest of a DCP training state (optimizer, step...), as a file's extras are;
-            # read first, so that a refused pickle among them leaves the model untouched.
-            extras: dict[str, Any] = raw.source.read_all(trust=trust, skip=container)
+        if found.others:
+            # The rest of a training state (optimizer, step...), as a file's extras are; read
+            # first, so that a refused pickle among them leaves the model untouched.
+            extras, unread = raw.read_extras(found, trust=trust)
             if target.type != "cpu":
                 from gpukit.transfer import to_device
 
                 extras = to_device(extras, target)
-            report = dataclasses.replace(report, extras=extras)
+            report = dataclasses.replace(report, extras=extras, unread=unread)
         targets: dict[str, list[torch.Tensor]] = {}
         for name, shape_only in plan.renamed.items():
             targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
