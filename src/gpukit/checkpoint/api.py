@@ -14,8 +14,9 @@ import dataclasses
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +35,12 @@ from gpukit.checkpoint.keys import (
     unwrap,
 )
 from gpukit.checkpoint.layout import FolderCheckpoint, open_checkpoint
-from gpukit.checkpoint.paths import check_output_file, check_output_folder
+from gpukit.checkpoint.paths import (
+    check_output_file,
+    check_output_folder,
+    make_parents,
+    parents_to_make,
+)
 from gpukit.checkpoint.plan import plan_load, tied_groups
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
@@ -47,7 +53,7 @@ from gpukit.errors import (
     check_bool,
 )
 
-__all__ = ["LoadReport", "clean_state_dict", "load", "save"]
+__all__ = ["LoadReport", "SaveTarget", "check_save_target", "clean_state_dict", "load", "save"]
 
 METADATA_ATTRIBUTE = "_gpukit_metadata"
 
@@ -157,6 +163,63 @@ def is_layout_file(name: str) -> bool:
 
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 DEFAULT_SHARD_SIZE = "5GB"
+SHARDED = "sharded safetensors"
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where and how :func:`save` writes, checked before any work.
+
+    ``format`` is ``"safetensors"``, ``"torch"`` (one file) or ``"sharded safetensors"`` (a
+    folder of shards of at most ``shard_limit`` bytes); ``make_parents`` says the missing
+    folders above ``path`` will be created.
+    """
+
+    path: Path
+    format: str
+    shard_limit: int | None
+    make_parents: bool
+
+
+def _names_a_file(path: Path) -> bool:
+    try:
+        suffix_format(path)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def check_save_target(
+    path: Path, max_shard_size: int | str | None, *, option: str = "max_shard_size"
+) -> SaveTarget:
+    """Check where :func:`save` would write ``path``, and in which layout, before any work.
+
+    A path without a suffix, or any path but a checkpoint file's with ``max_shard_size``, is a
+    sharded folder; ``.safetensors`` and ``.pt`` / ``.pth`` (``.bin``, ``.ckpt``, ``.tar``) name
+    one file, so asking for shards there is refused (``option`` is the name the message uses).
+    Missing parent folders are made by :func:`save` where the nearest existing one is writable.
+    """
+    if max_shard_size is not None and _names_a_file(path):
+        raise InvalidArgumentError(
+            f"{path.name} names one {suffix_format(path)} file (by its suffix "
+            f"{path.suffix}), and {option} asks for a folder of shards.",
+            hint=f"Drop {option} to write one file, or name the folder without a suffix "
+            f"(for example {path.with_suffix('').name}).",
+        )
+    sharded = max_shard_size is not None or path.suffix == ""
+    if sharded:
+        limit: int | None = parse_size(
+            DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size
+        )
+        fmt = SHARDED
+    else:
+        limit, fmt = None, suffix_format(path)
+    make = parents_to_make(path)
+    if not make and sharded:
+        check_output_folder(path, is_layout_file)
+    elif not make:
+        check_output_file(path)
+    return SaveTarget(path, fmt, limit, make)
 
 
 def save(
@@ -171,10 +234,12 @@ def save(
     Wrappers (``nn.DataParallel``, DDP, ``gk.DataParallel``, ``torch.compile``) are removed
     first, so keys never carry ``module.`` or ``_orig_mod.``; optimizers and schedulers in a dict
     are saved as their state dicts. The path picks the layout: ``.safetensors`` (weights only)
-    or ``.pt`` / ``.pth`` is one file; a path without a suffix, or any path with
-    ``max_shard_size`` (bytes, ``"2GB"``, ``"500MiB"``; 5GB by default), is a folder in Hugging
-    Face's sharded safetensors layout (``model-00001-of-00002.safetensors``... and
-    ``model.safetensors.index.json``), which Hugging Face's loaders read. A folder is written
+    or ``.pt`` / ``.pth`` is one file (and ``max_shard_size`` with such a path is refused); a
+    path without a suffix, or with ``max_shard_size`` (bytes, ``"2GB"``, ``"500MiB"``; 5GB by
+    default), is a folder in Hugging Face's sharded safetensors layout
+    (``model-00001-of-00002.safetensors``... and ``model.safetensors.index.json``), which
+    Hugging Face's loaders read. Missing parent folders are created (as ``mkdir -p`` does)
+    when the nearest existing one is writable. A folder is written
     as a whole: a crash leaves the old folder or the new one, and an existing folder is
     replaced only if it holds nothing but such a layout. Tied weights are stored once in
     safetensors and come back tied with :func:`load`. The gpukit and torch versions, the
@@ -184,15 +249,8 @@ def save(
     >>> save({"model": model, "optimizer": opt, "epoch": 3}, "run/last.pt")  # doctest: +SKIP
     >>> save(model, "run/weights", max_shard_size="2GB")  # doctest: +SKIP
     """
-    target = Path(path)
-    sharded = max_shard_size is not None or target.suffix == ""
-    if sharded:
-        limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
-        fmt = "sharded safetensors"
-        check_output_folder(target, is_layout_file)
-    else:
-        fmt = suffix_format(target)
-        check_output_file(target)
+    planned = check_save_target(Path(path), max_shard_size)
+    target, fmt, sharded = planned.path, planned.format, planned.format == SHARDED
     prepared = _prepare(obj)
     info: dict[str, Any] = {
         "gpukit_version": __version__,
@@ -203,20 +261,29 @@ def save(
         "devices": sorted(_devices(prepared.payload, set())),
         "metadata": _user_metadata(metadata),
     }
+    write: Callable[[], None]
     if sharded or fmt == SAFETENSORS:
         tensors = _tensors_only(target, prepared)
         _untie(tensors, info)
         header = {"format": "pt", "gpukit": json.dumps(info)}
-        if sharded:
-            atomic_folder(
-                target, lambda folder: write_shards(folder, tensors, header, limit, write_durable)
+        limit = planned.shard_limit
+        if limit is not None:
+            write = partial(
+                atomic_folder,
+                target,
+                lambda folder: write_shards(folder, tensors, header, limit, write_durable),
             )
         else:
-            atomic_write(target, lambda handle, _: write_safetensors(handle, tensors, header))
+            write = partial(
+                atomic_write, target, lambda handle, _: write_safetensors(handle, tensors, header)
+            )
     else:
         payload = prepared.payload
         setattr(payload, METADATA_ATTRIBUTE, info)  # torch.save pickles an OrderedDict's attributes
-        atomic_write(target, lambda handle, _: torch.save(payload, handle))
+        write = partial(atomic_write, target, lambda handle, _: torch.save(payload, handle))
+    if planned.make_parents:  # only now: a refused object leaves no new folder behind
+        make_parents(target)
+    write()
     return target
 
 
