@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -408,12 +409,28 @@ def test_show_of_a_fifo_is_refused_at_once_instead_of_hanging(tmp_path: Path, ru
     assert "FIFO" in error
 
 
+_COMMAND_MODULES = (
+    "gpukit.cli.main",
+    "gpukit.cli.ckpt",
+    "gpukit.cli._output",
+    "gpukit.checkpoint.api",
+    "gpukit.checkpoint.layout",
+    "rich.console",
+)
+
+
 @contextlib.contextmanager
 def _as_unprivileged_user() -> Iterator[None]:
-    """Drop to an ordinary user's rights (root ignores file modes); nothing to do otherwise."""
+    """Drop to an ordinary user's rights (root ignores file modes); nothing to do otherwise.
+
+    What the command imports is imported first: that user may not read the checkout (a clone in
+    a private folder), and a module imported late would fail to load, not the path checks.
+    """
     if os.geteuid() != 0:
         yield
         return
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name)
     os.setegid(65534)
     os.seteuid(65534)
     try:
