@@ -116,13 +116,94 @@ def test_a_folder_with_one_unsharded_file_loads_that_file(tmp_path: Path):
 
 
 def test_accelerate_save_model_folder_loads(tmp_path: Path):
-    from accelerate import Accelerator
-
+    accelerate = pytest.importorskip(
+        "accelerate", reason="accelerate is not installed (pip install 'gpukit[bench]')"
+    )
     source = _trained()
-    Accelerator(cpu=True).save_model(source, tmp_path / "acc", max_shard_size="4KB")
+    accelerate.Accelerator(cpu=True).save_model(source, tmp_path / "acc", max_shard_size="4KB")
     target = _net()
     assert gk.load(target, tmp_path / "acc").ok
     assert _same_weights(target, source)
+
+
+def _accelerate_state(folder: Path, *, safe_serialization: bool) -> tuple[nn.Module, dict]:
+    """Accelerator.save_state after one training step: the model, and the optimizer's state."""
+    accelerate = pytest.importorskip(
+        "accelerate", reason="accelerate is not installed (pip install 'gpukit[bench]')"
+    )
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = _trained()
+    optimizer = torch.optim.Adam(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    accelerator.save_state(str(folder), safe_serialization=safe_serialization)
+    return accelerator.unwrap_model(model), optimizer.state_dict()
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "bin"])
+def test_accelerate_save_state_folder_loads_the_model_with_optimizer_and_scheduler_in_extras(
+    tmp_path: Path, safe_serialization: bool
+):
+    source, optimizer = _accelerate_state(tmp_path / "state", safe_serialization=safe_serialization)
+    target = _net()
+    report = gk.load(target, tmp_path / "state")
+    assert report.ok
+    assert _same_weights(target, source)
+    assert report.container_key == "model"
+    assert set(report.extras) == {"optimizer", "scheduler"}
+    restored = report.extras["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(restored, optimizer["state"][0]["exp_avg"])
+    assert report.extras["scheduler"]["last_epoch"] == 1
+    # The random states hold numpy objects, which only a trusted pickle may rebuild.
+    assert list(report.unread) == ["random_states_0"]
+    assert "left unread: random_states_0" in str(report)
+    assert "trust=True" in str(report)
+
+
+def test_accelerate_save_state_random_states_are_read_with_trust(tmp_path: Path):
+    _accelerate_state(tmp_path / "state", safe_serialization=True)
+    report = gk.load(_net(), tmp_path / "state", trust=True)
+    assert report.unread == {}
+    assert set(report.extras) == {"optimizer", "scheduler", "random_states_0"}
+    assert "torch_manual_seed" in report.extras["random_states_0"]
+
+
+def test_torchtitan_checkpoint_with_the_model_at_the_top_level_loads_the_rest_into_extras(
+    tmp_path: Path,
+):
+    # torchtitan's CheckpointManager flattens the model's entries into the top level.
+    source = nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(source.parameters())
+    source(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = {**source.state_dict(), "optimizer": optimizer.state_dict(), "train_state": {"step": 3}}
+    _dcp_save(state, tmp_path / "step-3")
+    target = nn.Linear(4, 2)
+    report = gk.load(target, tmp_path / "step-3")
+    assert report.ok
+    assert _same_weights(target, source)
+    assert report.weights_at_top_level
+    assert report.container_key is None
+    assert set(report.extras) == {"optimizer", "train_state"}
+    assert report.extras["train_state"] == {"step": 3}
+    restored = report.extras["optimizer"]["state"]["0"]["exp_avg"]
+    assert torch.equal(restored, optimizer.state_dict()["state"][0]["exp_avg"])
+    assert "weights taken from the top-level tensors" in str(report)
+
+
+def test_top_level_tensors_beside_two_state_dicts_are_still_refused_as_ambiguous(
+    tmp_path: Path,
+):
+    student, teacher = _net().state_dict(), _net().state_dict()
+    torch.save(
+        {"student": student, "teacher": teacher, "temperature": torch.tensor(2.0)},
+        tmp_path / "distill.pt",
+    )
+    with pytest.raises(CheckpointError, match=r"no model weights.*'student', 'teacher'"):
+        gk.load(_net(), tmp_path / "distill.pt")
 
 
 def test_dcp_folder_loads_into_the_model_without_a_process_group(tmp_path: Path):

@@ -118,9 +118,57 @@ def test_save_refuses_a_bare_tensor_saying_what_it_takes(tmp_path: Path):
         gk.save(torch.zeros(3), tmp_path / "m.pt")
 
 
-def test_save_to_a_missing_folder_says_so(tmp_path: Path):
-    with pytest.raises(CheckpointError, match="does not exist"):
-        gk.save(_net(), tmp_path / "nope" / "m.pt")
+def test_save_makes_the_missing_folders_of_a_sharded_folder_as_the_readme_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    model = _net()
+    gk.save(model, "run/weights")  # run/ does not exist yet
+    target = _net()
+    assert gk.load(target, "run/weights").ok
+    saved, loaded = model.state_dict(), target.state_dict()
+    assert list(loaded) == list(saved)
+    assert all(torch.equal(loaded[key], saved[key]) for key in saved)
+
+
+def test_save_makes_every_missing_parent_folder_of_a_file(tmp_path: Path):
+    gk.save(_net(), tmp_path / "a" / "b" / "m.pt")
+    assert list(torch.load(tmp_path / "a" / "b" / "m.pt", weights_only=True)) == _expected_keys()
+
+
+def test_save_under_a_file_is_refused_and_creates_nothing(tmp_path: Path):
+    (tmp_path / "notes").write_text("x")
+    with pytest.raises(CheckpointError, match="notes is a file, not a folder"):
+        gk.save(_net(), tmp_path / "notes" / "run" / "m.pt")
+
+
+def test_save_under_a_folder_it_cannot_write_is_refused_and_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from gpukit.checkpoint import paths
+
+    (tmp_path / "ro").mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anywhere: judge the folder as any other user would
+        real = paths._access
+        monkeypatch.setattr(
+            paths, "_access", lambda p, mode: False if p == tmp_path / "ro" else real(p, mode)
+        )
+    with pytest.raises(CheckpointError, match="not writable by this user"):
+        gk.save(_net(), tmp_path / "ro" / "run" / "m.pt")
+    assert not (tmp_path / "ro" / "run").exists()
+
+
+def test_save_to_a_file_suffix_with_a_shard_size_is_refused(tmp_path: Path):
+    for name in ("m.pt", "m.pth", "m.safetensors"):
+        with pytest.raises(InvalidArgumentError, match="Drop max_shard_size to write one file"):
+            gk.save(_net(), tmp_path / name, max_shard_size="2GB")
+        assert not (tmp_path / name).exists()
+
+
+def test_a_refused_object_leaves_no_new_folder_behind(tmp_path: Path):
+    with pytest.raises(InvalidArgumentError):
+        gk.save(torch.zeros(3), tmp_path / "run" / "m.pt")
+    assert not (tmp_path / "run").exists()
 
 
 def test_saved_file_gets_the_permissions_of_an_ordinary_new_file(tmp_path: Path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -109,15 +110,15 @@ def test_convert_to_pt_keeps_every_entry(tmp_path: Path, run_cli):
 
 
 def test_show_of_a_file_without_a_state_dict_lists_what_it_holds(tmp_path: Path, run_cli):
-    torch.save({"w": torch.zeros(2), "step": 3}, tmp_path / "loose.pt")
+    torch.save({"names": ["a", "b"], "step": 3}, tmp_path / "loose.pt")
     result = run_cli("ckpt", "show", str(tmp_path / "loose.pt"), "--json")
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["weights_found"] is False
-    assert payload["other_entries"] == {"w": "tensor [2]", "step": "3"}
+    assert payload["other_entries"] == {"names": "list", "step": "3"}
     human = run_cli("ckpt", "show", str(tmp_path / "loose.pt"), env={"NO_COLOR": "1"})
     assert "no model weights found" in human.stdout
-    assert "w: tensor [2], step: 3" in human.stdout
+    assert "names: list, step: 3" in human.stdout
 
 
 def _one_line_usage_error(result: subprocess.CompletedProcess[str]) -> str:
@@ -233,12 +234,173 @@ def test_convert_onto_a_folder_named_like_a_file_is_refused(tmp_path: Path, run_
     assert "a folder of that name exists" in error
 
 
-def test_convert_into_a_missing_folder_is_refused_before_the_input_is_read(tmp_path: Path, run_cli):
+def test_convert_under_a_file_is_refused_before_the_input_is_read(tmp_path: Path, run_cli):
     (tmp_path / "broken.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    (tmp_path / "notes").write_text("a file, not a folder")
+    output = tmp_path / "notes" / "run" / "x.pt"
     error = _one_line_usage_error(
-        run_cli("ckpt", "convert", str(tmp_path / "broken.pt"), str(tmp_path / "no" / "x.pt"))
+        run_cli("ckpt", "convert", str(tmp_path / "broken.pt"), str(output))
     )
-    assert f"the folder {tmp_path / 'no'} does not exist" in error
+    assert f"{tmp_path / 'notes'} is a file, not a folder" in error
+
+
+def test_convert_into_a_missing_folder_creates_it_as_gk_save_does(tmp_path: Path, run_cli):
+    source = _dp_checkpoint(tmp_path / "dp.pt")
+    output = tmp_path / "exports" / "v1" / "clean.safetensors"
+    result = run_cli("ckpt", "convert", str(tmp_path / "dp.pt"), str(output))
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(load_file(output)["2.weight"], source[2].weight.detach())
+
+
+def test_convert_to_a_file_suffix_with_a_shard_size_is_a_one_line_usage_error(
+    tmp_path: Path, run_cli
+):
+    _dp_checkpoint(tmp_path / "dp.pt")
+    for name in ("out.pt", "out.pth", "out.safetensors"):
+        error = _one_line_usage_error(
+            run_cli(
+                "ckpt",
+                "convert",
+                str(tmp_path / "dp.pt"),
+                str(tmp_path / name),
+                "--max-shard-size",
+                "2GB",
+            )
+        )
+        assert f"{name} names one" in error
+        assert (
+            "Drop --max-shard-size to write one file, or name the folder without a suffix" in error
+        )
+        assert not (tmp_path / name).exists()
+
+
+def test_convert_weights_only_to_pt_says_that_dropping_the_flag_keeps_everything(
+    tmp_path: Path, run_cli
+):
+    _dp_checkpoint(tmp_path / "dp.pt")
+    result = run_cli(
+        "ckpt",
+        "convert",
+        str(tmp_path / "dp.pt"),
+        str(tmp_path / "w.pt"),
+        "--weights-only",
+        env={"NO_COLOR": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "left out epoch" in result.stdout
+    assert "drop --weights-only to keep everything" in result.stdout
+    assert ".pt" not in result.stdout.split("left out", 1)[1]
+    assert list(torch.load(tmp_path / "w.pt", weights_only=True)) == [
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    ]
+
+
+class _SamplerState:
+    """A training loop's own object, saved beside the weights (only its code can rebuild it)."""
+
+    def __init__(self) -> None:
+        self.epoch = 2
+
+
+def _dcp(state: dict[str, object], folder: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+
+
+def test_convert_to_safetensors_reads_no_pickle_of_the_entries_it_drops(tmp_path: Path, run_cli):
+    model = nn.Linear(4, 2)
+    _dcp({"model": model.state_dict(), "sampler": _SamplerState()}, tmp_path / "dcp")
+    output = tmp_path / "w.safetensors"
+    result = run_cli("ckpt", "convert", str(tmp_path / "dcp"), str(output), env={"NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "left out sampler" in result.stdout
+    assert "convert to a .pt file to keep everything" in result.stdout
+    assert torch.equal(load_file(output)["weight"], model.weight.detach())
+    # What keeps the object still needs the trust that unpickling it takes.
+    refused = run_cli("ckpt", "convert", str(tmp_path / "dcp"), str(tmp_path / "all.pt"))
+    assert refused.returncode == 2
+    assert "--trust" in refused.stderr
+
+
+def _torchtitan_folder(folder: Path) -> nn.Module:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    _dcp(
+        {**model.state_dict(), "optimizer": optimizer.state_dict(), "train_state": {"step": 3}},
+        folder,
+    )
+    return model
+
+
+def test_show_of_a_torchtitan_folder_counts_its_top_level_tensors_as_the_weights(
+    tmp_path: Path, run_cli
+):
+    _torchtitan_folder(tmp_path / "step-3")
+    result = run_cli("ckpt", "show", str(tmp_path / "step-3"), "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["tensor_count"] == 2
+    assert [row["key"] for row in payload["tensors"]] == ["weight", "bias"]
+    assert payload["weights_at_top_level"] is True
+    assert set(payload["other_entries"]) == {"optimizer", "train_state"}
+    human = run_cli("ckpt", "show", str(tmp_path / "step-3"), env={"NO_COLOR": "1"})
+    assert ": dcp, " in human.stdout
+    assert "2 tensors, 10 params" in human.stdout
+    assert "weights the top-level tensors (no nested state dict); other entries: optimizer" in (
+        human.stdout
+    )
+
+
+def test_convert_of_a_torchtitan_folder_to_safetensors_keeps_its_top_level_tensors(
+    tmp_path: Path, run_cli
+):
+    model = _torchtitan_folder(tmp_path / "step-3")
+    output = tmp_path / "w.safetensors"
+    result = run_cli(
+        "ckpt", "convert", str(tmp_path / "step-3"), str(output), env={"NO_COLOR": "1"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert "left out optimizer, train_state: kept only the top-level tensors" in result.stdout
+    assert torch.equal(load_file(output)["bias"], model.bias.detach())
+
+
+def test_show_and_convert_of_an_accelerate_save_state_folder_read_no_pickle(
+    tmp_path: Path, run_cli
+):
+    accelerate = pytest.importorskip(
+        "accelerate", reason="accelerate is not installed (pip install 'gpukit[bench]')"
+    )
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.save_state(str(tmp_path / "state"))
+    shown = run_cli("ckpt", "show", str(tmp_path / "state"), "--json")
+    assert shown.returncode == 0, shown.stderr
+    payload = json.loads(shown.stdout)
+    assert payload["layout"] == "accelerate"
+    assert payload["tensor_count"] == 2
+    assert payload["container_key"] == "model"
+    assert payload["other_entries"] == {
+        "optimizer": "object (not read)",
+        "random_states_0": "object (not read)",
+    }
+    assert {f["name"] for f in payload["files"]} == {
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+    }
+    output = tmp_path / "w.safetensors"
+    result = run_cli("ckpt", "convert", str(tmp_path / "state"), str(output), env={"NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "left out optimizer, random_states_0" in result.stdout
+    assert torch.equal(load_file(output)["weight"], model.weight.detach())
 
 
 def test_show_of_a_fifo_is_refused_at_once_instead_of_hanging(tmp_path: Path, run_cli):
@@ -247,12 +409,28 @@ def test_show_of_a_fifo_is_refused_at_once_instead_of_hanging(tmp_path: Path, ru
     assert "FIFO" in error
 
 
+_COMMAND_MODULES = (
+    "gpukit.cli.main",
+    "gpukit.cli.ckpt",
+    "gpukit.cli._output",
+    "gpukit.checkpoint.api",
+    "gpukit.checkpoint.layout",
+    "rich.console",
+)
+
+
 @contextlib.contextmanager
 def _as_unprivileged_user() -> Iterator[None]:
-    """Drop to an ordinary user's rights (root ignores file modes); nothing to do otherwise."""
+    """Drop to an ordinary user's rights (root ignores file modes); nothing to do otherwise.
+
+    What the command imports is imported first: that user may not read the checkout (a clone in
+    a private folder), and a module imported late would fail to load, not the path checks.
+    """
     if os.geteuid() != 0:
         yield
         return
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name)
     os.setegid(65534)
     os.seteuid(65534)
     try:

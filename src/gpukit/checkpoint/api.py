@@ -14,8 +14,9 @@ import dataclasses
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,17 +25,22 @@ from torch import nn
 
 from gpukit import __version__, _tree
 from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
-from gpukit.checkpoint.dcp import DcpFolder
 from gpukit.checkpoint.io import SAFETENSORS, suffix_format
 from gpukit.checkpoint.keys import (
+    FoundWeights,
     clean_keys,
     copy_metadata,
-    find_state_dict,
+    find_weights,
     is_state_dict,
     unwrap,
 )
 from gpukit.checkpoint.layout import FolderCheckpoint, open_checkpoint
-from gpukit.checkpoint.paths import check_output_file, check_output_folder
+from gpukit.checkpoint.paths import (
+    check_output_file,
+    check_output_folder,
+    make_parents,
+    parents_to_make,
+)
 from gpukit.checkpoint.plan import plan_load, tied_groups
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
@@ -47,7 +53,7 @@ from gpukit.errors import (
     check_bool,
 )
 
-__all__ = ["LoadReport", "clean_state_dict", "load", "save"]
+__all__ = ["LoadReport", "SaveTarget", "check_save_target", "clean_state_dict", "load", "save"]
 
 METADATA_ATTRIBUTE = "_gpukit_metadata"
 
@@ -157,6 +163,63 @@ def is_layout_file(name: str) -> bool:
 
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 DEFAULT_SHARD_SIZE = "5GB"
+SHARDED = "sharded safetensors"
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where and how :func:`save` writes, checked before any work.
+
+    ``format`` is ``"safetensors"``, ``"torch"`` (one file) or ``"sharded safetensors"`` (a
+    folder of shards of at most ``shard_limit`` bytes); ``make_parents`` says the missing
+    folders above ``path`` will be created.
+    """
+
+    path: Path
+    format: str
+    shard_limit: int | None
+    make_parents: bool
+
+
+def _names_a_file(path: Path) -> bool:
+    try:
+        suffix_format(path)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def check_save_target(
+    path: Path, max_shard_size: int | str | None, *, option: str = "max_shard_size"
+) -> SaveTarget:
+    """Check where :func:`save` would write ``path``, and in which layout, before any work.
+
+    A path without a suffix, or any path but a checkpoint file's with ``max_shard_size``, is a
+    sharded folder; ``.safetensors`` and ``.pt`` / ``.pth`` (``.bin``, ``.ckpt``, ``.tar``) name
+    one file, so asking for shards there is refused (``option`` is the name the message uses).
+    Missing parent folders are made by :func:`save` where the nearest existing one is writable.
+    """
+    if max_shard_size is not None and _names_a_file(path):
+        raise InvalidArgumentError(
+            f"{path.name} names one {suffix_format(path)} file (by its suffix "
+            f"{path.suffix}), and {option} asks for a folder of shards.",
+            hint=f"Drop {option} to write one file, or name the folder without a suffix "
+            f"(for example {path.with_suffix('').name}).",
+        )
+    sharded = max_shard_size is not None or path.suffix == ""
+    if sharded:
+        limit: int | None = parse_size(
+            DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size
+        )
+        fmt = SHARDED
+    else:
+        limit, fmt = None, suffix_format(path)
+    make = parents_to_make(path)
+    if not make and sharded:
+        check_output_folder(path, is_layout_file)
+    elif not make:
+        check_output_file(path)
+    return SaveTarget(path, fmt, limit, make)
 
 
 def save(
@@ -171,10 +234,12 @@ def save(
     Wrappers (``nn.DataParallel``, DDP, ``gk.DataParallel``, ``torch.compile``) are removed
     first, so keys never carry ``module.`` or ``_orig_mod.``; optimizers and schedulers in a dict
     are saved as their state dicts. The path picks the layout: ``.safetensors`` (weights only)
-    or ``.pt`` / ``.pth`` is one file; a path without a suffix, or any path with
-    ``max_shard_size`` (bytes, ``"2GB"``, ``"500MiB"``; 5GB by default), is a folder in Hugging
-    Face's sharded safetensors layout (``model-00001-of-00002.safetensors``... and
-    ``model.safetensors.index.json``), which Hugging Face's loaders read. A folder is written
+    or ``.pt`` / ``.pth`` is one file (and ``max_shard_size`` with such a path is refused); a
+    path without a suffix, or with ``max_shard_size`` (bytes, ``"2GB"``, ``"500MiB"``; 5GB by
+    default), is a folder in Hugging Face's sharded safetensors layout
+    (``model-00001-of-00002.safetensors``... and ``model.safetensors.index.json``), which
+    Hugging Face's loaders read. Missing parent folders are created (as ``mkdir -p`` does)
+    when the nearest existing one is writable. A folder is written
     as a whole: a crash leaves the old folder or the new one, and an existing folder is
     replaced only if it holds nothing but such a layout. Tied weights are stored once in
     safetensors and come back tied with :func:`load`. The gpukit and torch versions, the
@@ -184,15 +249,8 @@ def save(
     >>> save({"model": model, "optimizer": opt, "epoch": 3}, "run/last.pt")  # doctest: +SKIP
     >>> save(model, "run/weights", max_shard_size="2GB")  # doctest: +SKIP
     """
-    target = Path(path)
-    sharded = max_shard_size is not None or target.suffix == ""
-    if sharded:
-        limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
-        fmt = "sharded safetensors"
-        check_output_folder(target, is_layout_file)
-    else:
-        fmt = suffix_format(target)
-        check_output_file(target)
+    planned = check_save_target(Path(path), max_shard_size)
+    target, fmt, sharded = planned.path, planned.format, planned.format == SHARDED
     prepared = _prepare(obj)
     info: dict[str, Any] = {
         "gpukit_version": __version__,
@@ -203,20 +261,29 @@ def save(
         "devices": sorted(_devices(prepared.payload, set())),
         "metadata": _user_metadata(metadata),
     }
+    write: Callable[[], None]
     if sharded or fmt == SAFETENSORS:
         tensors = _tensors_only(target, prepared)
         _untie(tensors, info)
         header = {"format": "pt", "gpukit": json.dumps(info)}
-        if sharded:
-            atomic_folder(
-                target, lambda folder: write_shards(folder, tensors, header, limit, write_durable)
+        limit = planned.shard_limit
+        if limit is not None:
+            write = partial(
+                atomic_folder,
+                target,
+                lambda folder: write_shards(folder, tensors, header, limit, write_durable),
             )
         else:
-            atomic_write(target, lambda handle, _: write_safetensors(handle, tensors, header))
+            write = partial(
+                atomic_write, target, lambda handle, _: write_safetensors(handle, tensors, header)
+            )
     else:
         payload = prepared.payload
         setattr(payload, METADATA_ATTRIBUTE, info)  # torch.save pickles an OrderedDict's attributes
-        atomic_write(target, lambda handle, _: torch.save(payload, handle))
+        write = partial(atomic_write, target, lambda handle, _: torch.save(payload, handle))
+    if planned.make_parents:  # only now: a refused object leaves no new folder behind
+        make_parents(target)
+    write()
     return target
 
 
@@ -230,10 +297,11 @@ def _target(model: nn.Module, map_location: DeviceLike | Literal["auto"]) -> tor
         return torch.device("cpu")
 
 
-def _extras(content: object, container: str | None) -> dict[str, Any]:
-    if container is None or not isinstance(content, Mapping):
+def _extras(content: object, found: FoundWeights) -> dict[str, Any]:
+    if not found.others or not isinstance(content, Mapping):
         return {}
-    return {str(k): v for k, v in content.items() if k != container}
+    others = set(found.others)
+    return {str(k): v for k, v in content.items() if str(k) in others}
 
 
 def load(
@@ -247,10 +315,15 @@ def load(
     """Load a checkpoint into ``model``, whatever wrapped it and wherever it was saved.
 
     ``path`` is a checkpoint file (``.safetensors`` or torch, recognised by content), a sharded
-    folder or its index file (Hugging Face's layout, safetensors or ``.bin`` shards), or a
-    torch.distributed.checkpoint (DCP) folder. The weights are found in common containers
-    (``"state_dict"``, ``"model"``, ...); wrapper segments (``module.``, ``_orig_mod.``,
-    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, ``_forward_module.``) and a
+    folder or its index file (Hugging Face's layout, safetensors or ``.bin`` shards), a
+    torch.distributed.checkpoint (DCP) folder, or a folder written by accelerate's
+    ``Accelerator.save_state`` (the first model's file is the weights; the optimizer, scheduler
+    and other files go into ``report.extras``, and a pickle that needs ``trust=True`` is left
+    unread and named in ``report.unread``). The weights are found in common containers
+    (``"state_dict"``, ``"model"``, ...) or, where no entry is a state dict, are the top-level
+    tensors beside the other entries (torchtitan's layout); wrapper segments (``module.``,
+    ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``,
+    ``_forward_module.``) and a
     leading ``model.`` are removed when that is what makes the keys match, and tensors are
     mapped onto the model's device (``map_location="auto"``). Folders are read one shard at a
     time straight into the model's tensors, so the whole checkpoint is never in memory at once.
@@ -274,12 +347,13 @@ def load(
     target = _target(inner, map_location)
     raw = open_checkpoint(Path(path), target=target, trust=trust)
     try:
-        state, container = find_state_dict(raw.content)
+        found = find_weights(raw.content)
     except LookupError as exc:
         raise CheckpointError(
             f"{raw.path} holds no model weights: {exc}.",
             hint="Pass the file that holds the model's state_dict.",
         ) from None
+    state, container = found.state, found.container
     model_state = inner.state_dict()
     plan = plan_load(state, model_state, raw.metadata.get("tied"))
     folder = isinstance(raw, FolderCheckpoint)
@@ -295,21 +369,22 @@ def load(
         device=str(target),
         container_key=container,
         metadata=raw.metadata,
-        extras={} if folder else _extras(raw.content, container),
+        extras={} if folder else _extras(raw.content, found),
         tied=plan.tied,
+        weights_at_top_level=found.top_level,
     )
     if strict and not report.ok:
         raise mismatch_error(report, type(inner).__name__)
     if isinstance(raw, FolderCheckpoint):
-        if container is not None and isinstance(raw.source, DcpFolder):
-            # The rest of a DCP training state (optimizer, step...), as a file's extras are;
-            # read first, so that a refused pickle among them leaves the model untouched.
-            extras: dict[str, Any] = raw.source.read_all(trust=trust, skip=container)
+        if found.others:
+            # The rest of a training state (optimizer, step...), as a file's extras are; read
+            # first, so that a refused pickle among them leaves the model untouched.
+            extras, unread = raw.read_extras(found, trust=trust)
             if target.type != "cpu":
                 from gpukit.transfer import to_device
 
                 extras = to_device(extras, target)
-            report = dataclasses.replace(report, extras=extras)
+            report = dataclasses.replace(report, extras=extras, unread=unread)
         targets: dict[str, list[torch.Tensor]] = {}
         for name, shape_only in plan.renamed.items():
             targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])

@@ -15,7 +15,7 @@ import io
 import itertools
 import pickle
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,13 +159,21 @@ class DcpFolder:
                 for extra in tensors[1:]:
                     extra.copy_(tensors[0])
 
-    def read_all(self, *, trust: bool, skip: str | None = None) -> dict[str, Any]:
+    def read_all(
+        self, *, trust: bool, skip: str | None = None, only: Collection[str] | None = None
+    ) -> dict[str, Any]:
         """The saved nested dict, tensors on the CPU (the whole checkpoint in memory).
 
-        ``skip`` leaves out one top-level entry (the weights, already in a model). Non-tensor
-        entries are pickles inside the data files: read with ``weights_only`` unless ``trust``.
+        ``skip`` leaves out one top-level entry (the weights, already in a model); ``only``
+        reads just the entries under those top-level keys, so that what is not wanted (an
+        optimizer's pickled state) is never unpickled. Non-tensor entries are pickles inside
+        the data files: read with ``weights_only`` unless ``trust``.
         """
-        wanted = [k for k in self.metadata.state_dict_metadata if self.path_of(k)[0] != skip]
+        wanted = [
+            k
+            for k in self.metadata.state_dict_metadata
+            if self.path_of(k)[0] != skip and (only is None or self.path_of(k)[0] in only)
+        ]
         shapes = self.tensors
         tensors = {
             key: torch.empty(shapes[key][0], dtype=shapes[key][1])

@@ -17,6 +17,7 @@ import difflib
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,10 +26,12 @@ from torch import nn
 __all__ = [
     "CONTAINER_KEYS",
     "WRAPPER_SEGMENTS",
+    "FoundWeights",
     "KeyMatch",
     "clean_keys",
     "copy_metadata",
     "find_state_dict",
+    "find_weights",
     "is_state_dict",
     "match_keys",
     "nearest",
@@ -139,6 +142,55 @@ def find_state_dict(obj: object) -> tuple[Mapping[str, Any], str | None]:
         return obj[nested[0]], str(nested[0])
     shown = ", ".join(repr(key) for key in list(obj)[:12])
     raise LookupError(f"no state dict among its entries ({shown})")
+
+
+@dataclass(frozen=True)
+class FoundWeights:
+    """Where a checkpoint keeps the model's weights, and what else it holds.
+
+    ``container`` is the top-level key the state dict sat under (None when the checkpoint is a
+    state dict, or when the weights are its top-level tensors); ``top_level`` says the weights
+    are the top-level tensors of a training checkpoint, beside its other entries (torchtitan
+    writes the model's entries so, next to ``optimizer`` and ``train_state``); ``others`` names
+    the top-level entries that are not the weights, in the checkpoint's order.
+    """
+
+    state: Mapping[str, Any]
+    container: str | None
+    top_level: bool = False
+    others: list[str] = field(default_factory=list)
+
+
+def _top_level_tensors(obj: Mapping[Any, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+
+
+def find_weights(obj: object) -> FoundWeights:
+    """The model's weights in a loaded checkpoint: a state dict, under a container, or on top.
+
+    A state dict under a container key wins (see :func:`find_state_dict`); where none is found,
+    and no entry is a state dict, the checkpoint's top-level tensors are the weights and every
+    other entry is one of ``others``. Raises ``LookupError`` naming the top-level entries
+    otherwise.
+
+    >>> found = find_weights({"weight": torch.zeros(2), "train_state": {"step": 3}})
+    >>> list(found.state), found.top_level, found.others
+    (['weight'], True, ['train_state'])
+    """
+    try:
+        state, container = find_state_dict(obj)
+    except LookupError:
+        if not isinstance(obj, Mapping):
+            raise
+        tensors = _top_level_tensors(obj)
+        # Several state dicts side by side (a student and a teacher) stay a question to ask.
+        if not tensors or any(is_state_dict(v) for v in obj.values()):
+            raise
+        others = [str(k) for k in obj if k not in tensors]
+        return FoundWeights(tensors, None, top_level=True, others=others)
+    if container is None or not isinstance(obj, Mapping):
+        return FoundWeights(state, container)
+    return FoundWeights(state, container, others=[str(k) for k in obj if k != container])
 
 
 def _drop_wrappers(key: str) -> str:

@@ -1,7 +1,8 @@
 """Which checkpoint a path holds, recognised by content: one file, a sharded folder, or DCP.
 
 A path may be a checkpoint file (torch.save or safetensors, whatever its suffix), an index file
-(JSON with a ``weight_map``), a DCP ``.metadata`` file, or a folder holding any of these. A folder
+(JSON with a ``weight_map``), a DCP ``.metadata`` file, or a folder holding any of these, or the
+files of an ``Accelerator.save_state`` (the model's file beside the training state). A folder
 is opened without reading its tensors: what :func:`open_checkpoint` returns for it is a
 :class:`FolderCheckpoint` whose ``content`` has the saved structure with shape-only (``meta``)
 tensors, and which reads the real tensors on demand, one shard at a time.
@@ -18,9 +19,16 @@ from typing import Any
 
 import torch
 
+from gpukit.checkpoint.accelerate_state import (
+    WEIGHTS_ENTRY,
+    AccelerateState,
+    is_accelerate_state,
+    open_accelerate_state,
+)
 from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_dcp, set_path
 from gpukit.checkpoint.io import SAFETENSORS, TORCH, RawCheckpoint, file_format, gpukit_metadata
 from gpukit.checkpoint.io import read as read_file
+from gpukit.checkpoint.keys import FoundWeights
 from gpukit.checkpoint.paths import check_input
 from gpukit.checkpoint.sharded import INDEX_NAMES, ShardedFolder, open_index
 from gpukit.errors import CheckpointError
@@ -30,6 +38,7 @@ __all__ = ["SHARDED_SAFETENSORS", "FolderCheckpoint", "StoredObject", "open_chec
 SHARDED_SAFETENSORS = "sharded safetensors"
 SHARDED_TORCH = "sharded torch"
 DCP = "dcp"
+ACCELERATE = "accelerate state"
 
 
 @dataclass
@@ -39,7 +48,7 @@ class FolderCheckpoint:
     path: Path
     format: str
     content: Any
-    source: ShardedFolder | DcpFolder
+    source: ShardedFolder | DcpFolder | AccelerateState
     files: dict[str, int]  # every file of the checkpoint, the index last, with its size
     metadata: dict[str, Any] = field(default_factory=dict)
     source_devices: list[str] = field(default_factory=list)
@@ -70,6 +79,32 @@ class FolderCheckpoint:
     def read_all(self, *, trust: bool) -> Any:
         """The saved structure with real tensors on the CPU (the whole checkpoint in memory)."""
         return self.source.read_all(trust=trust)
+
+    def read_weights(self, found: FoundWeights, *, trust: bool) -> Any:
+        """Only the entries that hold the weights ``found`` in ``content``, read, on the CPU.
+
+        Nothing else is read, so the pickled objects beside the weights (an optimizer's, a
+        sampler's) are never unpickled for an output that keeps only the weights.
+        """
+        if isinstance(self.source, DcpFolder):
+            keys = {found.container} if found.container is not None else set(found.state)
+            return self.source.read_all(trust=trust, only=keys)
+        if isinstance(self.source, AccelerateState):
+            return self.source.read_all(trust=trust, only={WEIGHTS_ENTRY})
+        return self.source.read_all(trust=trust)
+
+    def read_extras(
+        self, found: FoundWeights, *, trust: bool
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """The entries beside the weights (``found.others``), read on the CPU, and the entries
+        left unread with the reason (an accelerate pickle that needs ``trust``)."""
+        if not found.others:
+            return {}, {}
+        if isinstance(self.source, DcpFolder):
+            return self.source.read_all(trust=trust, only=set(found.others)), {}
+        if isinstance(self.source, AccelerateState):
+            return self.source.read_extras(found.others, trust=trust)
+        return {}, {}
 
 
 class StoredObject:
@@ -115,6 +150,20 @@ def _dcp(folder: Path) -> FolderCheckpoint:
     return FolderCheckpoint(folder, DCP, content, found, files, {}, [], stored)
 
 
+def _accelerate(folder: Path, names: list[str], trust: bool) -> FolderCheckpoint:
+    found = open_accelerate_state(folder, names, trust=trust)
+    weights = found.weights
+    content: dict[str, Any] = {WEIGHTS_ENTRY: weights.content}
+    stored: dict[int, str] = {}
+    if isinstance(weights.content, Mapping):
+        stored = {id(v): str(k) for k, v in weights.content.items() if isinstance(v, torch.Tensor)}
+    for name in found.others:
+        content[name] = StoredObject()
+    devices = list(weights.source_devices)
+    meta = dict(weights.metadata)
+    return FolderCheckpoint(folder, ACCELERATE, content, found, found.files, meta, devices, stored)
+
+
 def _is_index(path: Path) -> bool:
     try:
         with path.open("rb") as handle:
@@ -142,6 +191,8 @@ def _folder(folder: Path, trust: bool) -> FolderCheckpoint | RawCheckpoint:
             f"{folder} holds several checkpoint indexes ({', '.join(indexes)}).",
             hint="Pass the index file of the checkpoint you mean.",
         )
+    if is_accelerate_state(names):
+        return _accelerate(folder, names, trust)
     singles = []
     for name in names:
         path = folder / name

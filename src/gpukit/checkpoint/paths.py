@@ -16,7 +16,15 @@ from pathlib import Path
 
 from gpukit.errors import CheckpointError
 
-__all__ = ["check_input", "check_output_file", "check_output_folder", "fs_error", "kind_of"]
+__all__ = [
+    "check_input",
+    "check_output_file",
+    "check_output_folder",
+    "fs_error",
+    "kind_of",
+    "make_parents",
+    "parents_to_make",
+]
 
 _KINDS = (
     (stat.S_ISDIR, "folder"),
@@ -192,3 +200,50 @@ def check_output_folder(path: Path, replaceable: Callable[[str], bool]) -> None:
             f"({shown}), which replacing it would delete.",
             hint="Save into a new folder, or move those files away first.",
         )
+
+
+def parents_to_make(path: Path) -> bool:
+    """Whether ``path``'s parent folder is missing and can be made (``mkdir -p``), checked now.
+
+    False when the parent exists (:func:`check_output_file` and :func:`check_output_folder`
+    judge it). When it is missing, the nearest existing folder above it must be a folder this
+    user can write; a file in the way or a read-only folder is refused before any work.
+    """
+    try:
+        path.parent.lstat()
+    except (FileNotFoundError, NotADirectoryError):  # the file in the way is named below
+        pass
+    except OSError as exc:
+        raise fs_error(path.parent, exc, "write to") from None
+    else:
+        return False
+    anchor = path.parent.parent
+    while True:
+        try:
+            info = anchor.stat()
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            anchor = anchor.parent
+        except OSError as exc:
+            raise fs_error(anchor, exc, "write to") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(
+            f"Cannot save {path}: {anchor} is a {kind_of(info.st_mode)}, not a folder, so "
+            f"{path.parent} cannot be created.",
+            hint="Check the path.",
+        )
+    if not _access(anchor, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"Cannot save {path}: {path.parent} does not exist, and the folder {anchor} is not "
+            "writable by this user to create it.",
+            hint="Save somewhere you can write, or create the folder first.",
+        )
+    return True
+
+
+def make_parents(path: Path) -> None:
+    """Create ``path``'s missing parent folders, as ``mkdir -p`` does."""
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+    except OSError as exc:
+        raise fs_error(path.parent, exc, "create the folder") from None

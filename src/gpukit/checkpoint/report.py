@@ -27,7 +27,11 @@ class LoadReport:
     ``device`` is where they were loaded. ``extras`` holds the other entries of a container
     checkpoint (optimizer state, epoch, ...), on ``device`` as well (from a DCP folder too; a
     sharded folder holds only weights). ``tied`` maps a model key that was filled
-    from another (tied weights, stored once) to that key.
+    from another (tied weights, stored once) to that key. ``weights_at_top_level`` says the
+    weights were the checkpoint's top-level tensors, found beside its other entries
+    (torchtitan's layout) rather than under ``container_key``. ``unread`` names the entries
+    left out of ``extras`` unread, each with the reason (an ``Accelerator.save_state`` pickle
+    that only ``trust=True`` reads).
     """
 
     path: Path
@@ -43,6 +47,8 @@ class LoadReport:
     metadata: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
+    weights_at_top_level: bool = False
+    unread: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -55,6 +61,14 @@ class LoadReport:
             parts.append("removed prefixes " + ", ".join(self.prefixes_removed))
         if self.source_devices:
             parts.append("saved on " + ", ".join(self.source_devices))
+        if self.weights_at_top_level:
+            parts.append("weights taken from the top-level tensors (no nested state dict)")
+            if self.extras:
+                parts.append(f"{_listed(list(self.extras))} in extras")
+        if self.unread:
+            parts.append(
+                f"left unread: {_listed(list(self.unread))} (pickles; trust=True reads them)"
+            )
         for label, items in (
             ("missing", self.missing),
             ("unexpected", self.unexpected),

@@ -1,14 +1,16 @@
 """``gpukit ckpt show|convert``: inspect a checkpoint, or rewrite it clean, on the CPU, in a layout.
 
 Both take a checkpoint file (recognised by content, whatever its suffix), a sharded folder (or its
-index file) or a DCP folder. ``show`` prints the format, size, shards, what gk.save recorded, the
-wrapper prefixes the keys carry, and a tree of the tensors with shapes, dtypes, saved devices and
-parameter counts; a folder's tensors are described from its headers without being read.
+index file), a DCP folder (torchtitan's too) or an ``Accelerator.save_state`` folder. ``show``
+prints the format, size, shards, what gk.save recorded, the wrapper prefixes the keys carry, and
+a tree of the tensors with shapes, dtypes, saved devices and parameter counts; a folder's
+tensors are described from its headers without being read.
 ``convert`` removes wrapper prefixes, moves every tensor to the CPU and writes, atomically, what
 the output path asks for: ``.pt`` / ``.pth``, ``.safetensors``, or a sharded safetensors folder
-for a path without a suffix (or with ``--max-shard-size``). Safetensors holds only tensors: from
-a training checkpoint it gets the model's weights, and the command says what was left out.
-Paths are checked before any work starts.
+for a path without a suffix (or with ``--max-shard-size``, refused with a file's suffix).
+Safetensors holds only tensors: from a training checkpoint it gets the model's weights, and the
+command says what was left out; only what the output keeps is read. Paths are checked before any
+work starts; missing parent folders of the output are created.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gpukit.errors import CheckpointError
 if TYPE_CHECKING:
     from rich.tree import Tree
 
+    from gpukit.checkpoint.api import SaveTarget
     from gpukit.checkpoint.io import RawCheckpoint
     from gpukit.checkpoint.layout import FolderCheckpoint
 
@@ -135,21 +138,34 @@ def _suffix_note(raw: RawCheckpoint | FolderCheckpoint) -> str | None:
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
 
+def _layout(raw: RawCheckpoint | FolderCheckpoint) -> str:
+    from gpukit.checkpoint.layout import ACCELERATE, FolderCheckpoint
+
+    if not isinstance(raw, FolderCheckpoint):
+        return "file"
+    return {"dcp": "dcp", ACCELERATE: "accelerate"}.get(raw.format, "sharded")
+
+
 def _payload(raw: RawCheckpoint | FolderCheckpoint) -> dict[str, Any]:
-    from gpukit.checkpoint.keys import clean_keys, find_state_dict
+    from gpukit.checkpoint.keys import clean_keys, find_weights
     from gpukit.checkpoint.layout import FolderCheckpoint
 
-    found = True
+    found, top_level, named = True, False, []
     try:
-        state, container = find_state_dict(raw.content)
+        weights = find_weights(raw.content)
+        state, container = weights.state, weights.container
+        top_level, named = weights.top_level, weights.others
     except LookupError:
         state, container, found = {}, None, False
     _, prefixes = clean_keys(state)
     others: dict[str, str] = {}
-    # Without weights, every top-level entry is "other": show what the file does hold.
-    if (container is not None or not found) and isinstance(raw.content, Mapping):
-        others = {str(k): _describe(v) for k, v in raw.content.items() if k != container}
+    if isinstance(raw.content, Mapping):
+        # Without weights, every top-level entry is "other": show what the file does hold.
+        shown = set(named) if found else {str(k) for k in raw.content}
+        others = {str(k): _describe(v) for k, v in raw.content.items() if str(k) in shown}
     rows = _tensor_rows(raw, state)
+    layout = _layout(raw)
+    indexed = layout in ("dcp", "sharded")
     return {
         "schema": SCHEMA,
         "path": str(raw.path),
@@ -157,20 +173,21 @@ def _payload(raw: RawCheckpoint | FolderCheckpoint) -> dict[str, Any]:
         "size_bytes": raw.size,
         "metadata": raw.metadata,
         "container_key": container,
+        "weights_at_top_level": top_level,
         "other_entries": others,
         "prefixes": prefixes,
         "wrappers": [_WRAPPER_OF[p] for p in prefixes if p in _WRAPPER_OF],
         "wrappers_removed_at_save": raw.metadata.get("wrappers_removed", []),
         "source_devices": raw.source_devices,
-        "layout": ("dcp" if raw.format == "dcp" else "sharded")
-        if isinstance(raw, FolderCheckpoint)
-        else "file",
+        "layout": layout,
         "files": [
             {"name": name, "size_bytes": size}
             for name, size in (raw.files.items() if isinstance(raw, FolderCheckpoint) else ())
         ],
-        "shard_count": len(raw.files) - 1 if isinstance(raw, FolderCheckpoint) else None,
-        "index_file": raw.index if isinstance(raw, FolderCheckpoint) else None,
+        "shard_count": len(raw.files) - 1
+        if indexed and isinstance(raw, FolderCheckpoint)
+        else None,
+        "index_file": raw.index if indexed and isinstance(raw, FolderCheckpoint) else None,
         "suffix_mismatch": _suffix_note(raw),
         "weights_found": found,
         "tensor_count": len(rows),
@@ -231,9 +248,10 @@ def _show(args: argparse.Namespace) -> int:
     if payload["files"]:
         data = [f for f in payload["files"] if f["name"] != payload["index_file"]]
         files = ", ".join(f"{f['name']} {human_bytes(f['size_bytes'])}" for f in data)
-        kind = "data file" if payload["layout"] == "dcp" else "shard"
+        kind = {"dcp": "data file", "accelerate": "file"}.get(payload["layout"], "shard")
         plural = "s" if len(data) != 1 else ""
-        out.print(f"{len(data)} {kind}{plural} ({files}); index {payload['index_file']}")
+        index = f"; index {payload['index_file']}" if payload["index_file"] else ""
+        out.print(f"{len(data)} {kind}{plural} ({files}){index}")
     saved = ", ".join(payload["source_devices"]) or "n/a"
     if meta:
         removed = ", ".join(meta.get("wrappers_removed", [])) or "none"
@@ -252,76 +270,84 @@ def _show(args: argparse.Namespace) -> int:
         held = ", ".join(f"{k}: {v}" for k, v in payload["other_entries"].items())
         what = f"its entries are {held}" if held else f"it holds a {type(raw.content).__name__}"
         out.print(f"no model weights found (gk.load would refuse it): {what}")
-    elif payload["container_key"] is not None:
+    elif payload["container_key"] is not None or payload["weights_at_top_level"]:
         others = ", ".join(f"{k}: {v}" for k, v in payload["other_entries"].items()) or "none"
-        out.print(f"weights under {payload['container_key']!r}; other entries: {others}")
+        where = (
+            "the top-level tensors (no nested state dict)"
+            if payload["weights_at_top_level"]
+            else f"under {payload['container_key']!r}"
+        )
+        out.print(f"weights {where}; other entries: {others}")
     out.print(_tree(payload))
     return 0
 
 
-def _check_paths(args: argparse.Namespace) -> int | None:
-    """Refuse path mistakes before reading anything; the shard size limit for a folder output."""
-    from gpukit.checkpoint.paths import check_input, check_output_file, check_output_folder
+def _check_paths(args: argparse.Namespace) -> SaveTarget:
+    """Refuse path mistakes before reading anything: where the output goes, in which layout."""
+    from gpukit.checkpoint.api import check_save_target
+    from gpukit.checkpoint.paths import check_input
 
     check_input(args.input)
-    folder = args.max_shard_size is not None or args.output.suffix == ""
-    if folder:
-        check_output_folder(args.output, _is_layout_file)
-    else:
-        check_output_file(args.output)
-    from gpukit.checkpoint.io import suffix_format
-    from gpukit.checkpoint.sharded import parse_size
-
-    if folder:
-        return parse_size("5GB" if args.max_shard_size is None else args.max_shard_size)
-    suffix_format(args.output)
-    return None
+    return check_save_target(args.output, args.max_shard_size, option="--max-shard-size")
 
 
-def _is_layout_file(name: str) -> bool:
-    from gpukit.checkpoint.api import is_layout_file
+def _weights_of(
+    raw: RawCheckpoint | FolderCheckpoint, args: argparse.Namespace, keep_all_hint: str
+) -> tuple[object, list[str], str]:
+    """The model's weights alone (nothing else read), the entries left out, where they were."""
+    from gpukit.checkpoint.keys import find_weights
+    from gpukit.checkpoint.layout import FolderCheckpoint
 
-    return is_layout_file(name)
+    try:
+        found = find_weights(raw.content)
+    except LookupError as exc:
+        raise CheckpointError(
+            f"{args.input} holds no model weights to convert: {exc}.",
+            hint=f"{keep_all_hint.capitalize()} to keep what it holds: a .pt file keeps anything "
+            "torch.save wrote.",
+        ) from None
+    state: object = found.state
+    if isinstance(raw, FolderCheckpoint):
+        state = find_weights(raw.read_weights(found, trust=args.trust)).state
+    where = (
+        "the top-level tensors"
+        if found.top_level
+        else f"the weights under {found.container!r}"
+        if found.container is not None
+        else "the weights"
+    )
+    return state, found.others, where
 
 
 def _convert(args: argparse.Namespace) -> int:
     from gpukit.checkpoint.api import save
-    from gpukit.checkpoint.io import SAFETENSORS, suffix_format
-    from gpukit.checkpoint.keys import find_state_dict
+    from gpukit.checkpoint.io import TORCH
     from gpukit.checkpoint.layout import FolderCheckpoint
 
-    limit = _check_paths(args)
+    planned = _check_paths(args)
     raw = _read(args.input, args.trust)
-    content = raw.read_all(trust=args.trust) if isinstance(raw, FolderCheckpoint) else raw.content
-    weights_only = (
-        args.weights_only or limit is not None or suffix_format(args.output) == SAFETENSORS
-    )
-    obj: object = content
+    to_torch = planned.format == TORCH
+    # Each hint names a way that does keep everything, from where the user stands.
+    keep_all = "drop --weights-only" if to_torch else "convert to a .pt file"
+    obj: object
     left_out: list[str] = []
-    if weights_only:
-        try:
-            state, container = find_state_dict(content)
-        except LookupError as exc:
-            raise CheckpointError(
-                f"{args.input} holds no model weights to convert: {exc}.",
-                hint="Convert it to .pt, which keeps anything torch.save wrote.",
-            ) from None
-        if container is not None and isinstance(content, Mapping):
-            left_out = [str(k) for k in content if k != container]
-        obj = state
+    where = ""
+    if args.weights_only or not to_torch:
+        # Only what the output keeps is read: a pickle beside the weights is never unpickled.
+        obj, left_out, where = _weights_of(raw, args, keep_all)
+    else:
+        obj = raw.read_all(trust=args.trust) if isinstance(raw, FolderCheckpoint) else raw.content
     source = {"converted_from": args.input.name, "source_devices": raw.source_devices}
     prefixes = _prefixes(obj)
-    save(obj, args.output, metadata=source, max_shard_size=limit)
-    layout = "sharded safetensors folder" if limit is not None else suffix_format(args.output)
+    save(obj, args.output, metadata=source, max_shard_size=planned.shard_limit)
     removed = f"; removed {', '.join(prefixes)}" if prefixes else ""
     out = console()
+    layout = "sharded safetensors folder" if planned.shard_limit is not None else planned.format
     out.print(f"wrote {args.output} ({layout}{removed}; tensors on cpu)")
     if left_out:
-        shown = ", ".join(left_out)
-        why = "" if args.weights_only else " (safetensors holds only tensors)"
+        why = " (--weights-only)" if to_torch else " (safetensors holds only tensors)"
         out.print(
-            f"left out {shown}: kept only the weights under {container!r}{why}; convert to "
-            ".pt to keep everything"
+            f"left out {', '.join(left_out)}: kept only {where}{why}; {keep_all} to keep everything"
         )
     return 0
 
