@@ -486,3 +486,24 @@ def test_a_link_planted_at_a_folder_save_target_is_refused_and_left_untouched(
     assert os.readlink(target) == str(elsewhere)
     assert sorted(os.listdir(elsewhere)) == ["keep.txt"]
     assert not [p for p in os.listdir(tmp_path) if p.endswith(TMP_SUFFIX)]
+
+
+def test_dcp_metadata_that_copies_one_list_ten_thousand_times_is_refused_in_small_memory(
+    tmp_path: Path,
+):
+    folder = _dcp_save(tmp_path / "dcp")
+    # By hand: memo 0 = builtins.list, memo 1 = a list of 1000 zeros, then 10000 times
+    # list(memo 1) appended to one list: 60 KB of pickle, 10 million list slots when run.
+    copy = pickle.BINGET + b"\x00" + pickle.BINGET + b"\x01" + pickle.TUPLE1 + pickle.REDUCE
+    data = (
+        pickle.PROTO + b"\x04"
+        + pickle.SHORT_BINUNICODE + b"\x08builtins" + pickle.SHORT_BINUNICODE + b"\x04list"
+        + pickle.STACK_GLOBAL + pickle.MEMOIZE
+        + pickle.EMPTY_LIST + pickle.MARK + (pickle.BININT1 + b"\x00") * 1000 + pickle.APPENDS
+        + pickle.MEMOIZE
+        + pickle.EMPTY_LIST + pickle.MARK + copy * 10_000 + pickle.APPENDS + pickle.STOP
+    )  # fmt: skip
+    (folder / ".metadata").write_bytes(data)
+    with _peak_allocation() as peak, pytest.raises(CheckpointError, match="far more than"):
+        gk.load(_linear(), folder)
+    assert peak[0] < 20_000_000

@@ -91,21 +91,49 @@ def _allowed_enums() -> set[type]:
     return found
 
 
+# Globals that pickle calls with a container and that copy it: counted, so that a small file
+# calling list(big_list) a million times is refused before it fills the memory.
+_COPYING = {"set", "frozenset", "tuple", "list", "dict", "OrderedDict", "Size"} | set(
+    _DCP_CLASSES["pathlib"]
+)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and refuses every other global (so no code can run)."""
+    """Unpickles DCP metadata and refuses every other global (so no code can run).
+
+    What the allowed constructors copy is bounded by the size of the file, so a few kilobytes
+    cannot build gigabytes.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._budget = len(data) + 1024
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_CLASSES.get(module, ()):
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
+            return self._counted(found) if name in _COPYING else found
         if module == "builtins" and name == "getattr":
             return _enum_member
         if module == "torch":
             value = getattr(torch, name, None)
-            if name == "Size" or isinstance(
-                value, (torch.dtype, torch.layout, torch.memory_format)
-            ):
+            if name == "Size":
+                return self._counted(torch.Size)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
                 return value
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+    def _counted(self, make: Any) -> Any:
+        def build(*args: Any) -> Any:
+            self._budget -= len(args)
+            for arg in args:
+                if isinstance(arg, list | tuple | set | frozenset | dict):
+                    self._budget -= len(arg)
+            if self._budget < 0:
+                raise pickle.UnpicklingError("refused: it builds far more than its own size")
+            return make(*args)
+
+        return build
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("refused persistent id")
@@ -150,7 +178,7 @@ def _read_metadata(path: Path) -> Any:
     finally:
         os.close(fd)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _MetadataUnpickler(data).load()
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"{path} is not plain DCP metadata: {exc}. It was not run.",
