@@ -507,3 +507,26 @@ def test_dcp_metadata_that_copies_one_list_ten_thousand_times_is_refused_in_smal
     with _peak_allocation() as peak, pytest.raises(CheckpointError, match="far more than"):
         gk.load(_linear(), folder)
     assert peak[0] < 20_000_000
+
+
+def test_convert_to_a_new_folder_where_a_link_is_planted_meanwhile_exits_2_and_keeps_the_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    import gpukit.checkpoint.api as api
+
+    source = tmp_path / "model.safetensors"
+    save_file(_linear().state_dict(), source)
+    elsewhere = tmp_path / "victim"
+    elsewhere.mkdir()
+    target = tmp_path / "out"
+    write_shards = api.write_shards
+
+    def write_then_plant(folder: Path, *args: Any) -> None:
+        write_shards(folder, *args)
+        os.symlink(elsewhere, target)  # a co-user, while the conversion runs
+
+    monkeypatch.setattr(api, "write_shards", write_then_plant)
+    err = _refused_by_the_command(capsys, "convert", str(source), str(target))
+    assert str(target) in err
+    assert os.readlink(target) == str(elsewhere)
+    assert os.listdir(elsewhere) == []
