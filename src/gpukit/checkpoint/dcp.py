@@ -19,11 +19,11 @@ torch's reader only ever sees that rebuilt copy, and opens data files through
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import itertools
 import os
 import pickle
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -79,15 +79,15 @@ def _enum_member(cls: object, name: object) -> Enum:
     return member
 
 
-@functools.cache
 def _allowed_enums() -> set[type]:
+    """The enums of the allow-list among the modules imported so far (find_class imports the
+    module of every class it allows, so an enum that reached getattr is among them)."""
     found: set[type] = set()
     for module, names in _DCP_CLASSES.items():
         for name in names:
-            with contextlib.suppress(ImportError, AttributeError):
-                value = getattr(__import__(module, fromlist=[name]), name)
-                if isinstance(value, type) and issubclass(value, Enum):
-                    found.add(value)
+            value = getattr(sys.modules.get(module), name, None)
+            if isinstance(value, type) and issubclass(value, Enum):
+                found.add(value)
     return found
 
 
