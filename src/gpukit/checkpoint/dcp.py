@@ -181,7 +181,7 @@ def _read_metadata(path: Path) -> Any:
         metadata = _MetadataUnpickler(data).load()
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
-            f"{path} is not plain DCP metadata: {exc}. It was not run.",
+            f"{path} is not plain DCP metadata: {untrusted.printable(str(exc))}. It was not run.",
             hint="A DCP .metadata file holds only DCP's own classes; this one names other code. "
             "If you made it, re-save the checkpoint with torch.distributed.checkpoint.save.",
         ) from None
@@ -304,7 +304,7 @@ def _storage_info(value: object, what: str) -> Any:
     got = _fields(value, _StorageInfo, what)
     name = untrusted.as_str(got.get("relative_path"), limit=255, what=f"{what}'s file")
     # Data files are plain names in the folder: a metadata file cannot point elsewhere.
-    if not name or "/" in name or "\\" in name or "\0" in name or name in {".", ".."}:
+    if not name.isprintable() or "/" in name or "\\" in name or name in {"", ".", ".."}:
         shown = untrusted.printable(name)
         raise InvalidInput(f"{what} points at {shown!r}, not a data file in its folder")
     transforms = got.get("transform_descriptors")

@@ -180,7 +180,7 @@ def open_index(index: Path, *, trust: bool) -> ShardedFolder:
             or len(name) > 255
             or "/" in name
             or "\\" in name
-            or "\0" in name
+            or not name.isprintable()
             or name in {".", ".."}
         ):
             shown = untrusted.printable(name) if type(name) is str else type(name).__name__
