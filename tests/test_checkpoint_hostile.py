@@ -16,7 +16,7 @@ import struct
 import tracemalloc
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
@@ -530,3 +532,38 @@ def test_convert_to_a_new_folder_where_a_link_is_planted_meanwhile_exits_2_and_k
     assert str(target) in err
     assert os.readlink(target) == str(elsewhere)
     assert os.listdir(elsewhere) == []
+
+
+_SIZES = st.integers(min_value=-2, max_value=8) | st.sampled_from([2**40, 2**64, -(2**63)])
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | _SIZES | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=8,
+)
+_ENTRY = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["F32", "I64", "BOOL", "U8"]) | _JSON_VALUES,
+        "shape": st.lists(_SIZES | st.floats(), max_size=3) | _JSON_VALUES,
+        "data_offsets": st.lists(st.integers(0, 64), min_size=2, max_size=2)
+        | st.lists(_SIZES | st.floats(), max_size=3)
+        | _JSON_VALUES,
+    }
+)
+_HEADERS = st.fixed_dictionaries(
+    {"w": _ENTRY | _JSON_VALUES},
+    optional={"__metadata__": st.dictionaries(st.text(max_size=6), _JSON_VALUES) | _JSON_VALUES},
+)
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(header=_HEADERS)
+def test_any_shard_header_document_loads_or_is_one_checkpoint_error(
+    header: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+):
+    folder = tmp_path_factory.mktemp("ckpt") / "sharded"
+    text = json.dumps(header).replace("Infinity", "1e999")  # an overflowing number, as JSON
+    _shard_folder(folder, text, b"\0" * 64)
+    with suppress(CheckpointError):
+        gk.load(_linear(), folder, strict=False)
