@@ -567,3 +567,48 @@ def test_any_shard_header_document_loads_or_is_one_checkpoint_error(
     _shard_folder(folder, text, b"\0" * 64)
     with suppress(CheckpointError):
         gk.load(_linear(), folder, strict=False)
+
+
+def _weight_storage(metadata: Any) -> Any:
+    return _storage_of(metadata, "model.weight")
+
+
+_DCP_FIELDS: dict[str, Callable[[Any, Any], None]] = {
+    "relative_path": lambda m, v: setattr(_weight_storage(m), "relative_path", v),
+    "offset": lambda m, v: setattr(_weight_storage(m), "offset", v),
+    "length": lambda m, v: setattr(_weight_storage(m), "length", v),
+    "size": lambda m, v: setattr(m.state_dict_metadata["model.weight"], "size", v),
+    "chunks": lambda m, v: setattr(m.state_dict_metadata["model.weight"], "chunks", v),
+    "chunk sizes": lambda m, v: setattr(
+        m.state_dict_metadata["model.weight"].chunks[0], "sizes", v
+    ),
+    "dtype": lambda m, v: setattr(m.state_dict_metadata["model.weight"].properties, "dtype", v),
+    "entry": lambda m, v: m.state_dict_metadata.__setitem__("model.weight", v),
+    "planner path": lambda m, v: m.planner_data.__setitem__("model.weight", v),
+    "planner_data": lambda m, v: setattr(m, "planner_data", v),
+    "storage key": lambda m, v: m.storage_data.__setitem__(v, _weight_storage(m)),
+}
+_DCP_VALUES = (
+    _JSON_VALUES
+    | st.sampled_from([torch.float32, torch.Size([2, 3]), torch.Size([-1]), pathlib.PurePath("x")])
+    | st.tuples(st.text(max_size=3) | _SIZES, st.text(max_size=3) | _SIZES)
+)
+
+
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(field=st.sampled_from(list(_DCP_FIELDS)), value=_DCP_VALUES)
+def test_any_value_in_any_dcp_metadata_field_loads_or_is_one_checkpoint_error(
+    field: str, value: Any, tmp_path_factory: pytest.TempPathFactory
+):
+    folder = tmp_path_factory.mktemp("dcp") / "dcp"
+    _dcp_save(folder)
+    metadata = _metadata(folder)
+    try:
+        _DCP_FIELDS[field](metadata, value)
+    except TypeError:  # an unhashable storage key
+        return
+    _write_metadata(folder, metadata)
+    with suppress(CheckpointError):
+        gk.load(_linear(), folder, strict=False)
