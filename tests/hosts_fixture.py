@@ -43,6 +43,14 @@ class FakeHosts:
         """A host with the driver's nvidia-smi but no gpukit."""
         self._bin(host, "nvidia-smi", f"exec cat {shlex.quote(str(csv))}\n")
 
+    def answering(self, host: str, answer: str | bytes, via: str = "gpukit") -> None:
+        """A host whose ``via`` (gpukit or nvidia-smi) prints ``answer`` exactly."""
+        folder = self.root / host
+        folder.mkdir(parents=True, exist_ok=True)
+        data = answer.encode() if isinstance(answer, str) else answer
+        (folder / "answer").write_bytes(data)
+        self._bin(host, via, f"exec cat {shlex.quote(str(folder / 'answer'))}\n")
+
     def script(self, host: str, name: str, body: str) -> None:
         """A host whose ``name`` command runs the shell ``body``."""
         self._bin(host, name, body)

@@ -126,10 +126,15 @@ def test_any_inventory_json_from_a_host_is_read_or_refused_never_an_exception(
     payload = {"schema": SCHEMA, "gpus": gpus, "driver_version": driver}
     reading = parse_answer("h", json.dumps(payload))
     assert (reading.inventory is None) == (reading.error is not None)
-    if reading.inventory is not None:  # what is kept can be shown
+    if reading.inventory is not None:  # what is kept can be shown, wide and narrow
+        from rich.console import Console
+
         from gpukit.cli._gpu_table import build_hosts_table
 
-        build_hosts_table([reading])
+        for width in (80, 200):
+            out = Console(width=width, force_terminal=True, color_system=None)
+            with out.capture():
+                out.print(build_hosts_table([reading]))
 
 
 @pytest.mark.parametrize(
@@ -146,14 +151,14 @@ def test_an_inventory_with_readings_of_the_wrong_type_is_refused(gpu: dict[str, 
     reading = parse_answer("h", json.dumps({"schema": SCHEMA, "gpus": [gpu]}))
     assert reading.inventory is None
     assert reading.error is not None
-    assert reading.error.startswith("unreadable answer (its gpukit ")
+    assert reading.error.startswith("answer not understood: its gpukit ")
 
 
 @pytest.mark.parametrize(
     ("answer", "why"),
     [
         ('{"schema": "gpukit.inventory/9", "gpus": []}', "this gpukit reads"),
-        ("{not json", "broken JSON"),
+        ("{not json", "not valid JSON"),
         ("[1, 2]", "nvidia-smi columns"),
         ("", "nvidia-smi listed no GPU"),
         ("Welcome to gpu1!\n", "nvidia-smi columns"),

@@ -174,8 +174,8 @@ def test_a_ticket_that_disappears_between_listing_and_reading_is_gone(
 
     monkeypatch.setattr(line_module, "exclusive_flocks", removed_meanwhile)
     assert _foreign() == [(EARLY, "gone")]
-    (queue / EARLY).write_text(json.dumps(_record()))
     with Ticket() as waiter:  # a waiter's own look, which tidies, meets the same race
+        (queue / EARLY).write_text(json.dumps(_record()))
         assert [(f.name, f.why) for f in waiter.line().foreign] == [(EARLY, "gone")]
 
 
@@ -233,7 +233,9 @@ def test_a_ticket_for_no_gpus_or_from_no_time_is_no_valid_record(
     hold(queue / EARLY, _record(**changes))
     line = read_line()
     assert line.waiters == ()
-    assert [(f.name, f.why) for f in line.foreign] == [(EARLY, "no valid waiter record")]
+    assert [(f.name, f.why.partition(":")[0]) for f in line.foreign] == [
+        (EARLY, "no valid waiter record")
+    ]
 
 
 def _command_for_a_record_of(size: int) -> str:
@@ -251,7 +253,9 @@ def test_a_record_of_exactly_64_kib_counts_and_one_byte_more_does_not(
     hold(queue / LATER, _record(command=_command_for_a_record_of(64 * 1024 + 1)))
     line = read_line()
     assert [(w.ticket, w.command) for w in line.waiters] == [(EARLY, longest)]
-    assert [(f.name, f.why) for f in line.foreign] == [(LATER, "no valid waiter record")]
+    assert [(f.name, f.why) for f in line.foreign] == [
+        (LATER, "no valid waiter record: larger than 65536 bytes")
+    ]
 
 
 def test_a_ticket_held_by_another_process_than_its_record_names_says_which(
@@ -322,3 +326,20 @@ def test_a_waiter_tidies_its_abandoned_tickets_in_the_folder_it_joined_not_a_new
         assert sorted(os.listdir(moved)) == [waiter.name]
         os.rmdir(waiter.queue)
         os.rename(moved, waiter.queue)
+
+
+def test_junk_in_the_queue_folder_is_counted_past_the_first_few_and_hides_no_waiter(
+    queue: Path, hold: Hold
+) -> None:
+    for i in range(300):
+        (queue / f"junk-{i:04d}").touch()
+        (queue / f"{i:020d}-1-cccccccc.ticket").touch()  # named before every real ticket
+    with Ticket() as honest:
+        line = read_line()
+        assert [w.ticket for w in line.waiters] == [honest.name]
+        assert len(line.foreign) == line_module.MOST_FOREIGN
+        assert [f.name for f in line.foreign] == sorted(f.name for f in line.foreign)
+        assert line.foreign[0] == line_module.Foreign(
+            f"{0:020d}-1-cccccccc.ticket", "not held by a live waiter"
+        )
+        assert line.foreign_not_listed == 600 - line_module.MOST_FOREIGN

@@ -153,3 +153,35 @@ def test_the_command_makes_a_lock_file_per_gpu_and_mig_instance(
     assert "4 lock file(s) owned by root" in done.stdout
     names = sorted(p.name[:4] for p in (root / "locks").glob("*.lock"))
     assert names == ["GPU-", "GPU-", "MIG-", "MIG-"]
+
+
+def test_setup_refuses_a_parent_that_is_a_co_users_link_to_a_root_folder(
+    root: Path, run_cli: CliRunner
+) -> None:
+    real = root / "real"
+    real.mkdir(mode=0o755)
+    link = root / "shared"
+    link.symlink_to(real)
+    os.lchown(link, NOBODY, NOBODY)  # whoever made the link can re-point it at their folder
+    with pytest.raises(LockFolderError, match="is a symbolic link") as caught:
+        setup_lock_dir(link / "locks", uuids=UUIDS)
+    assert str(link) in caught.value.message
+    assert "path without links" in caught.value.hint
+    assert list(real.iterdir()) == []
+    assert not (root / "etc" / "config.toml").exists()
+    env = {"GPUKIT_CONFIG": str(root / "etc" / "config.toml")}
+    done = run_cli("setup-locks", str(link / "deeper" / "locks"), env=env)
+    assert done.returncode == 5, done.stderr
+    assert "is a symbolic link" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(real.iterdir()) == []
+
+
+def test_setup_refuses_a_lock_folder_that_is_a_link_even_to_a_root_folder(root: Path) -> None:
+    real = root / "real"
+    real.mkdir(mode=0o755)
+    (root / "locks").symlink_to(real)
+    with pytest.raises(LockFolderError, match=r"locks is a symbolic link \(to "):
+        setup_lock_dir(root / "locks", uuids=UUIDS)
+    assert stat.S_IMODE(real.stat().st_mode) == 0o755
+    assert not (root / "etc" / "config.toml").exists()

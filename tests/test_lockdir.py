@@ -186,3 +186,40 @@ def test_gpukit_list_shows_the_gpus_and_exits_5_when_the_lock_folder_is_refused(
     picked = run_cli("pick", env=env)
     assert picked.returncode == 5
     assert "Traceback" not in picked.stderr
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["lock_dir = " + "[" * 50_000 + "\n", "x = " + "{a = " * 5_000 + "1" + "}" * 5_000 + "\n"],
+    ids=["deep-array", "deep-inline-table"],
+)
+def test_a_deeply_nested_config_is_a_lock_folder_error_naming_the_file(
+    config: Path, run_cli: CliRunner, text: str
+) -> None:
+    _write(config, text)
+    with pytest.raises(LockFolderError) as caught:
+        lock_dir()
+    assert str(config) in caught.value.message
+    assert "Fix the TOML" in caught.value.hint
+    done = run_cli("pick", env={"GPUKIT_FAKE_NVML": str(L4), "GPUKIT_CONFIG": str(config)})
+    assert done.returncode == 5, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _hung(signum: int, frame: object) -> None:
+    raise AssertionError("reading the config waited for a writer of the FIFO")
+
+
+def test_a_config_that_is_a_fifo_is_refused_without_waiting_for_a_writer(config: Path) -> None:
+    import os
+    import signal
+
+    os.mkfifo(config)
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(10)
+    try:
+        with pytest.raises(LockFolderError, match="a FIFO, not a regular file"):
+            lock_dir()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

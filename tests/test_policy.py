@@ -17,7 +17,7 @@ from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.lockfiles import open_folder
 from gpukit.gpus.policy import Limits, Policy, holdings, load_policy, user_name
-from tests.conftest import ROOT
+from tests.conftest import ROOT, CliRunner
 
 L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
 ME = os.getuid()
@@ -296,3 +296,57 @@ def test_any_bytes_in_a_policy_are_read_or_refused_with_a_policy_error(data: byt
 
     with contextlib.suppress(PolicyError):
         _parse(data, Path("policy.toml"))
+
+
+def test_hard_links_to_a_held_lock_file_under_other_names_count_as_no_more_gpus(
+    locks: Path,
+) -> None:
+    _policy(locks, "[limits]\nmax_gpus_per_user = 2\n")
+    gpus = inventory().gpus
+    with claim(gpus[:1]):
+        # Lock files are 0666: a co-user can give the one this user holds more names, among
+        # them names that sort first and the name of another GPU of the machine.
+        held = locks / f"{gpus[0].uuid}.lock"
+        for name in ("AAA.lock", "extra.lock", "GPU-not-on-this-machine.lock", gpus[3].uuid):
+            os.link(held, locks / (name if name.endswith(".lock") else f"{name}.lock"))
+        assert holdings() == {ME: (gpus[0].uuid,)}
+        with gk.acquire(1) as second:  # 1 held + 1 = 2: allowed
+            assert second.uuids[0] not in (gpus[0].uuid, gpus[3].uuid)
+            with pytest.raises(UserLimitError, match="already holds 2"):
+                gk.acquire(1)
+
+
+def test_a_lock_file_of_no_gpu_nvml_reports_is_not_a_gpu_held(locks: Path) -> None:
+    gpus = inventory().gpus
+    with claim(["GPU-00000000-0000-0000-0000-0000000000ff"]), claim(gpus[1:2]):
+        assert holdings() == {ME: (gpus[1].uuid,)}
+        assert holdings(gpus=["GPU-00000000-0000-0000-0000-0000000000ff"]) == {
+            ME: ("GPU-00000000-0000-0000-0000-0000000000ff",)
+        }
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[limits]\nmax_gpus_per_user = " + "[" * 50_000 + "\n",
+        "x = " + "{a = " * 50_000 + "\n",
+        "[limits]\nmax_gpus_per_user = " + "[" * 40 + "1" + "]" * 40 + "\n",
+        "[limits]\nmax_gpus_per_user = inf\n",
+        "[limits]\nmax_gpus_per_user = 2\n" + "#" * 70_000 + "\n",
+    ],
+    ids=["deep-array", "deep-inline-table", "nested-list-value", "infinite", "over-64-KiB"],
+)
+def test_a_hostile_policy_of_the_folder_owner_is_a_policy_error_not_a_crash(
+    locks: Path, run_cli: CliRunner, text: str
+) -> None:
+    path = _policy(locks, text)
+    with pytest.raises(PolicyError) as info:
+        load_policy()
+    assert str(path) in info.value.message
+    assert info.value.hint
+    done = run_cli(
+        "run", "--", "true", env={"GPUKIT_LOCK_DIR": str(locks), "GPUKIT_FAKE_NVML": str(L4)}
+    )
+    assert done.returncode == 5, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"{path}" in done.stderr

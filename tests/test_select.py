@@ -27,6 +27,7 @@ from gpukit.gpus.select import (
     best_first,
     check_user_limit,
     choose,
+    format_size,
     no_gpu_error,
     parse_size,
     pick,
@@ -139,8 +140,8 @@ def test_pick_explains_a_memory_rejection_with_the_gpu_users(
     inv = _machine(monkeypatch, A100)
     with pytest.raises(NoGpuAvailableError) as info:
         pick(5, min_free="60GiB", inventory=inv, claims={})
-    free = (inv.gpu(3).memory_free or 0) / GiB
-    expected = f"GPU 3: {free:.1f} GiB free < 60 GiB; 1 process (bob, jupyter-kernel)"
+    free = format_size(inv.gpu(3).memory_free or 0)
+    expected = f"GPU 3: {free} free < 60 GiB; 1 process (bob, jupyter-kernel)"
     assert expected in info.value.message
     assert info.value.exit_code == 4
 
@@ -422,7 +423,7 @@ def test_criteria_are_described_in_the_words_of_the_refusal() -> None:
         "at least 60 GiB free, at most 2 process(es), not 0, GPU-8d11"
     )
     assert Criteria.make(min_free=0, max_processes=0).describe() == (
-        "at least 0 GiB free, no process on it"
+        "at least 0 B free, no process on it"
     )
     assert Criteria.make(max_util=10.9).max_util == 10  # a fraction of a percent never loosens
 
@@ -506,7 +507,7 @@ def test_each_rejection_states_the_reading_and_the_limit_it_broke() -> None:
         "GPU 1: free memory unknown",
         "GPU 2: in MIG mode (use one of its MIG instances by UUID in CUDA_VISIBLE_DEVICES)",
         "GPU 3: unreadable by NVML (GPU is lost)",
-        "GPU 4: claimed by zoe (pid 42: python z.py); 0.0 GiB free < 2 GiB; 101% busy > 10%; "
+        "GPU 4: claimed by zoe (pid 42: python z.py); 0 B free < 2 GiB; 101% busy > 10%; "
         "2 processes (bob, b; cid, c) > 1",
         "GPU 5: excluded; 4 processes (?, " + "x" * 30 + "; bob, ?; cid, c; ...)",
         "GPU 6: qualifies; 1 process (eve, e)",
@@ -540,9 +541,9 @@ def test_the_refusal_says_what_was_asked_how_many_qualify_and_why_each_other_gpu
         "Asked for 4 GPUs with at least 60 GiB free, at most 10% busy: 3 of 8 qualify.\n"
         "  GPU 0: 8.3 GiB free < 60 GiB; 98% busy > 10%; 1 process (alice, python train.py)\n"
         "  GPU 1: 8.3 GiB free < 60 GiB; 97% busy > 10%; 1 process (alice, python train.py)\n"
-        "  GPU 3: 41.0 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)\n"
+        "  GPU 3: 41 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)\n"
         "  GPU 5: 41% busy > 10%; 1 process (carol, python serve.py)\n"
-        "  GPU 6: 0.0 GiB free < 60 GiB; 100% busy > 10%; 1 process (dave, torchrun worker)"
+        "  GPU 6: 0 B free < 60 GiB; 100% busy > 10%; 1 process (dave, torchrun worker)"
     )
     assert caught.value.hint == "Wait for them with `gpukit run --wait`, or relax the criteria."
 
@@ -603,7 +604,7 @@ def test_asking_for_more_gpus_than_the_machine_has_says_how_many_it_has() -> Non
     )
     assert caught.value.hint == "Check `nvidia-smi`."
     assert no_gpu_error(inv, 1, Criteria(max_processes=3, min_free=0), []).message == (
-        "Asked for 1 GPU with at least 0 GiB free, at most 3 process(es): 0 of 2 qualify."
+        "Asked for 1 GPU with at least 0 B free, at most 3 process(es): 0 of 2 qualify."
     )
 
 

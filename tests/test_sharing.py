@@ -172,7 +172,83 @@ def test_idle_readings_in_a_file_another_user_planted_are_not_believed(locks: Pa
         path.write_text(json.dumps(data))
         os.chown(path, 65534, 65534)
         later = replace(inv, taken_at=inv.taken_at + 30)
-        assert sharing(later, idle_after=60).idle == ()
+        with pytest.warns(RuntimeWarning, match="is not this user's file"):
+            assert sharing(later, idle_after=60).idle == ()
+
+
+_VICTIM = 65533  # an ordinary user, whom the sticky folder protects and binds
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="acting as two other users needs root")
+def test_a_co_user_who_takes_the_name_of_your_readings_first_cannot_hide_idle_claims(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import shutil
+    import tempfile
+    import warnings
+
+    from gpukit.gpus.lockfiles import open_folder
+
+    shared = Path(tempfile.mkdtemp(prefix="gpukit-observed-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        machine = shared / "machine.json"  # a copy the other user can read
+        shutil.copy(L4, machine)
+        machine.chmod(0o644)
+        monkeypatch.setenv("GPUKIT_FAKE_NVML", str(machine))
+        locks = shared / "locks"
+        monkeypatch.setenv("GPUKIT_LOCK_DIR", str(locks))
+        os.close(open_folder(locks, create=True))  # shared, 1777, as on a server
+        theirs = locks / f"observed-{_VICTIM}.json"
+        theirs.write_text("{}")
+        os.chown(theirs, 65534, 65534)  # nobody took the name first
+        inv = inventory()
+        t = inv.taken_at
+        readings = [replace(inv, taken_at=t + k * 0.4 * HOUR) for k in range(3)]
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the victim: claims a GPU, leaves it idle, runs gpukit queue three times
+            code = 1
+            try:
+                os.close(read_end)
+                os.setgroups([])
+                os.setgid(_VICTIM)
+                os.setuid(_VICTIM)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    with claim([inv.gpu(0)]):
+                        idle = _idle_after(readings, HOUR / 2)
+                said = [str(w.message) for w in caught]
+                os.write(write_end, json.dumps({"idle": idle, "warnings": said}).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            output = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        seen = json.loads(output)
+        assert seen["idle"] == [pytest.approx(0.8 * HOUR)]
+        assert any(f"kept in observed-{_VICTIM}.1.json" in w for w in seen["warnings"])
+        assert theirs.read_text() == "{}"
+        assert (locks / f"observed-{_VICTIM}.1.json").stat().st_uid == _VICTIM
+    finally:
+        shutil.rmtree(shared)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_every_name_of_your_readings_taken_is_said_not_hidden(locks: Path) -> None:
+    inv = inventory()
+    with claim([inv.gpu(0)]):
+        for n in range(8):
+            name = (
+                f"observed-{os.geteuid()}.json" if n == 0 else f"observed-{os.geteuid()}.{n}.json"
+            )
+            (locks / name).write_text("{}")
+            os.chown(locks / name, 65534, 65534)
+        with pytest.warns(RuntimeWarning, match="every name for them is taken"):
+            assert sharing(inv, idle_after=60).idle == ()
 
 
 def _line(*waiters: tuple[int, int, str]) -> object:
@@ -185,6 +261,7 @@ def _line(*waiters: tuple[int, int, str]) -> object:
             for i, (uid, n, c) in enumerate(waiters, start=1)
         ),
         foreign=(),
+        foreign_not_listed=0,
     )
 
 
@@ -272,3 +349,10 @@ def test_what_is_in_the_queue_folder_but_is_no_waiter_is_listed_as_foreign_with_
         "name": "00000000000000000001-1-aaaaaaaa.ticket",
         "why": "a FIFO",
     }
+
+
+def test_each_waiter_is_shown_with_its_command_with_no_control_character(locks: Path) -> None:
+    with waiting.Ticket(command="python train.py \x1b]0;pwned\x07--lr 3"):
+        (waiter,) = sharing(inventory(), observe=False).waiters
+        shown = sharing(inventory(), observe=False).to_json()["waiters"][0]["command"]
+    assert waiter.command == shown == "python train.py ?]0;pwned?--lr 3"

@@ -287,16 +287,17 @@ def test_a_ticket_record_is_accepted_only_with_every_field_of_the_right_type(
 
     raw = {k: v for k, v in {**_record(4242), **changes}.items() if k not in drop}
     parsed = parse(json.dumps(raw).encode())
+    ids = {"pid": 1, "uid": 0, "n": 1}  # the least of each; all are 32-bit numbers
     good = (
         not drop
         and raw["schema"] == TICKET_SCHEMA
-        and all(type(raw[k]) is int for k in ("pid", "uid", "n"))
-        and raw["n"] >= 1  # type: ignore[operator]
+        and all(type(raw[k]) is int and low <= raw[k] < 2**32 for k, low in ids.items())  # type: ignore[operator]
         and all(type(raw[k]) is str for k in ("user", "criteria", "command"))
         and type(raw["since"]) in (int, float)
         and _finite(raw["since"])
+        and abs(raw["since"]) <= 1e18  # type: ignore[arg-type]
     )
-    assert (parsed is not None) == good
+    assert isinstance(parsed, dict) == good
 
 
 @given(st.binary(max_size=200))

@@ -42,7 +42,9 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 try:
@@ -53,6 +55,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 __all__ = [
     "DEPTH",
     "InvalidInput",
+    "Streams",
     "as_dict",
     "as_float",
     "as_int",
@@ -66,6 +69,7 @@ __all__ = [
     "printable",
     "read_bounded",
     "read_file",
+    "read_streams",
 ]
 
 DEPTH = 32
@@ -73,6 +77,7 @@ DEPTH = 32
 are at most four deep; a limit far below the interpreter's recursion limit keeps every walk
 over a parsed document safe."""
 
+_FLOAT_MAX = sys.float_info.max
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
@@ -314,6 +319,8 @@ def as_float(
         raise InvalidInput(f"{what} is not finite")
     if not low <= value <= high:
         raise InvalidInput(f"{what} is out of range")
+    if isinstance(value, int) and abs(value) > _FLOAT_MAX:
+        raise InvalidInput(f"{what} is too large to be a finite number")
     return float(value)
 
 
@@ -373,3 +380,62 @@ def json_safe(value: object, *, _depth: int = 0) -> object:
 def dumps(value: object, *, default: Callable[[Any], Any] | None = None, **options: Any) -> str:
     """``json.dumps`` of :func:`json_safe` ``(value)``, refusing (never writing) ``NaN``."""
     return json.dumps(json_safe(value), allow_nan=False, default=default, **options)
+
+
+# --- reading streams -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Streams:
+    """What :func:`read_streams` read: each stream's bytes, and why it stopped early if it did."""
+
+    data: tuple[bytes, ...]
+    """Each stream's bytes, in the order given; at most its limit (plus one chunk) each."""
+    over_limit: int | None = None
+    """The position of the first stream that passed its limit, else ``None``."""
+    timed_out: bool = False
+    """True when the time ran out before every stream ended."""
+
+    @property
+    def complete(self) -> bool:
+        """True when every stream ended within its limit and the time."""
+        return self.over_limit is None and not self.timed_out
+
+
+def read_streams(fds: Sequence[int], limits: Sequence[int], *, timeout: float) -> Streams:
+    """Read the pipes ``fds`` to their ends at once, at most ``limits[i]`` bytes each, within
+    ``timeout`` seconds.
+
+    For the output of another machine's command (an ssh): a stream that never ends or never
+    stops costs at most its limit in memory and ``timeout`` in time. Reading stops at the first
+    stream past its limit or when the time is up, and :class:`Streams` says which; the caller
+    then kills the writer. The descriptors are left open.
+
+    >>> import os
+    >>> r, w = os.pipe()
+    >>> _ = os.write(w, b"x" * 100); os.close(w)
+    >>> read_streams([r], [10], timeout=5).over_limit
+    0
+    """
+    import selectors
+    import time
+
+    data = [bytearray() for _ in fds]
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for i, fd in enumerate(fds):
+            selector.register(fd, selectors.EVENT_READ, i)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Streams(tuple(map(bytes, data)), timed_out=True)
+            for key, _ in selector.select(left):
+                i = key.data
+                chunk = os.read(key.fd, min(1 << 16, limits[i] + 1 - len(data[i])))
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                data[i] += chunk
+                if len(data[i]) > limits[i]:
+                    return Streams(tuple(map(bytes, data)), over_limit=i)
+    return Streams(tuple(map(bytes, data)))

@@ -134,3 +134,15 @@ def test_an_output_file_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> No
     with pytest.raises(argparse.ArgumentTypeError, match="is a symbolic link"):
         OutputFile()(str(tmp_path / "b.json"))
     assert mine.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("command", ["pick", "run"])
+def test_a_min_free_without_a_unit_is_refused_with_what_was_likely_meant(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--min-free", "20", *(["--", "true"] if command == "run" else [])])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --min-free: '20' has no unit: did you mean 20GiB?" in err
+    assert '"20B"' in err

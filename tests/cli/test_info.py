@@ -27,17 +27,20 @@ def test_info_without_a_gpu_says_so_plainly(run_cli: CliRunner) -> None:
     assert "\x1b[" not in result.stdout  # no colour codes into a pipe
 
 
-def test_no_arguments_prints_help_with_exit_codes(run_cli: CliRunner) -> None:
+def test_no_arguments_is_a_usage_error_with_the_help_and_exit_codes_on_stderr(
+    run_cli: CliRunner,
+) -> None:
     result = run_cli()
-    assert result.returncode == 0
-    assert "exit codes" in result.stdout
-    assert "124" in result.stdout
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "exit codes" in result.stderr
+    assert "124" in result.stderr
 
 
 def test_unknown_command_is_a_usage_error(run_cli: CliRunner) -> None:
     result = run_cli("frobnicate")
     assert result.returncode == 2
-    assert "invalid choice" in result.stderr
+    assert "unknown command 'frobnicate'" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -90,3 +90,10 @@ def test_list_hosts_refuses_bad_arguments_with_exit_2(
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_json_output_writes_non_finite_numbers_as_null(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpukit.cli._output import print_json
+
+    print_json({"schema": "x/1", "power": float("nan"), "since": float("-inf")})
+    assert json.loads(capsys.readouterr().out) == {"schema": "x/1", "power": None, "since": None}

@@ -47,3 +47,38 @@ def test_a_usage_error_names_the_command_and_points_to_its_help(
     err = capsys.readouterr().err
     assert err.startswith("gpukit pick: error: unrecognized arguments: --bogus")
     assert err.endswith("Try 'gpukit pick --help'.\n")
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("lsit", "'list'"), ("qeue", "'queue'"), ("setup-lock", "'setup-locks'")]
+)
+def test_a_mistyped_command_is_a_usage_error_that_names_the_closest_command(
+    capsys: pytest.CaptureFixture[str], typo: str, meant: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli_main.main([typo, "--json"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpukit: error: unknown command '{typo}'. Did you mean {meant}?")
+    assert err.endswith("Try 'gpukit --help'.\n")
+
+
+def test_a_command_like_nothing_known_lists_the_commands(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli_main.main(["frobnicate"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Did you mean" not in err
+    assert "The commands: info, list, pick," in err
+
+
+def test_gpukit_alone_is_a_usage_error_with_the_help_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli_main.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("usage: gpukit")
+    assert "exit codes:" in err

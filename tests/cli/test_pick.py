@@ -43,7 +43,7 @@ def test_pick_prints_nothing_and_exits_4_when_too_few_qualify(
     env = _env(machines_dir, tmp_path, "server-8xA100-shared")
     done = run_cli("pick", "-n", "5", "--min-free", "60GiB", env=env)
     assert (done.returncode, done.stdout) == (4, "")
-    assert "GPU 3: 41.0 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)" in done.stderr
+    assert "GPU 3: 41 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)" in done.stderr
     assert "Traceback" not in done.stderr
 
 

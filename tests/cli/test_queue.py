@@ -318,3 +318,35 @@ def test_another_user_than_the_lock_folders_creator_can_claim_queue_and_count_us
     assert counted == {"root": (1, 1), nobody: (1, 0)}
     ledger_files = {p.name: p.stat().st_uid for p in shared_locks.glob("ledger-*.jsonl")}
     assert ledger_files == {"ledger-0.jsonl": 0, f"ledger-{NOBODY}.jsonl": NOBODY}
+
+
+def test_queue_shows_each_waiters_command_in_its_table_and_its_json(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    from gpukit.gpus.waiting import Ticket
+
+    env: dict[str, str | None] = {"GPUKIT_FAKE_NVML": str(L4), "GPUKIT_LOCK_DIR": str(locks)}
+    with Ticket(locks, command="python train.py --lr 3"):
+        table = run_cli("queue", env=env)
+        data = json.loads(run_cli("queue", "--json", env=env).stdout)
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if str(os.getpid()) in line)
+    assert row.rstrip().endswith("python train.py --lr 3")
+    assert [w["command"] for w in data["waiters"]] == ["python train.py --lr 3"]
+
+
+def test_queue_lists_the_first_few_junk_entries_and_says_how_many_more_there_are(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    queue = locks / "queue"
+    queue.mkdir(parents=True)
+    for i in range(2000):
+        (queue / f"junk-{i:05d}").touch()
+    env: dict[str, str | None] = {"GPUKIT_FAKE_NVML": str(L4), "GPUKIT_LOCK_DIR": str(locks)}
+    table = run_cli("queue", env=env)
+    data = json.loads(run_cli("queue", "--json", env=env).stdout)
+    assert table.returncode == 0, table.stderr
+    assert len(table.stdout) < 5000
+    assert "junk-00000" in table.stdout
+    assert "1980 more not listed (the first 20 by name are shown)" in table.stdout
+    assert (len(data["foreign"]), data["foreign_not_listed"]) == (20, 1980)

@@ -32,6 +32,7 @@ MAX_SECONDS = 366 * 86400.0
 
 _MAX_TEXT = 64  # characters: more is never a number a person meant
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+_PLAIN = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")  # a number, as a size without its unit
 _REAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
@@ -106,13 +107,24 @@ class Percent:
 
 @dataclass(frozen=True)
 class Size:
-    """A memory size (``20GiB``, ``500MB``, bytes) as gk.pick reads it; returned as written."""
+    """A memory size with its unit (``20GiB``, ``500MB``, ``512B``) as gk.pick reads it;
+    returned as written.
+
+    A number without a unit is refused: ``--min-free 20`` would be 20 bytes, which nobody
+    means, and gk.pick cannot tell.
+    """
 
     def __call__(self, text: str) -> str:
         from gpukit.gpus.select import parse_size
 
-        if len(text.strip()) > _MAX_TEXT:
+        cleaned = text.strip()
+        if len(cleaned) > _MAX_TEXT:
             raise _refuse(text, 'a memory size such as "20GiB" or "500MB"')
+        if _PLAIN.fullmatch(cleaned):
+            raise argparse.ArgumentTypeError(
+                f"{_shown(text)} has no unit: did you mean {cleaned}GiB? Write a size with its "
+                f'unit, e.g. "{cleaned}GiB", "{cleaned}MB" or, in bytes, "{cleaned}B".'
+            )
         try:
             parse_size(text)
         except InvalidArgumentError as exc:

@@ -1,34 +1,65 @@
-"""The table of GPUs that ``gpukit list`` and ``gpukit info`` show: one line per GPU."""
+"""The table of GPUs that ``gpukit list`` and ``gpukit info`` show: one line per GPU.
+
+Two layouts. The full one has a memory bar, the power draw and each process's memory; when it
+does not fit the terminal, the compact one drops the bar, the power column and the per-process
+memory, so that on 80 columns (nvidia-smi's and gpustat's width) who claimed and who uses each
+GPU stay readable: those are the columns the table exists for.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpukit.cli._output import human_bytes, na
 
 if TYPE_CHECKING:
-    from rich.table import Table
+    from rich.console import Console, ConsoleOptions
+    from rich.measure import Measurement
+    from rich.text import Text
 
+    from gpukit.gpus.claims import Holder
     from gpukit.gpus.hosts import HostReading
     from gpukit.gpus.inventory import GPU, GpuProcess, Inventory
     from gpukit.gpus.visible import VisibleDevices
 
 _BAR_WIDTH = 10
+_GAP = 2  # rich's padding between two columns
 # Free-text columns, cut to fit a narrow terminal.
-_CUT = frozenset({"name", "claimed by", "user:pid command (memory)"})
+_CUT = frozenset({"host", "name", "claimed by", "user:pid command (memory)", "user:pid command"})
+_RIGHT = frozenset({"GPU", "CUDA", "memory", "util", "temp", "power"})
+# In the compact layout these give way first, down to this many characters; who holds and who
+# uses each GPU share the rest.
+_GIVE_WAY = {"name": 9, "host": 8}
+
+
+@dataclass(frozen=True)
+class _Row:
+    cells: list[str]
+    style: str = ""
+    message: str | None = None
+    """A host's error: shown after the first ``cells``, from the name column to the end of the
+    line, whole; it never widens the table's columns."""
+    section: bool = False
+    """A line between two hosts, not a row."""
+
+
+_Build = Callable[[bool], tuple[list[str], list[_Row]]]
 
 
 def _bar(used: int | None, total: int | None) -> str:
     if used is None or not total:
         return " " * _BAR_WIDTH
-    filled = round(_BAR_WIDTH * min(used / total, 1.0))
+    filled = round(_BAR_WIDTH * min(max(used / total, 0.0), 1.0))
     return "█" * filled + "░" * (_BAR_WIDTH - filled)
 
 
-def _memory(used: int | None, total: int | None) -> str:
+def _memory(used: int | None, total: int | None, *, compact: bool) -> str:
     if used is None or total is None:
-        return f"{_bar(used, total)} n/a"
+        return "n/a" if compact else f"{_bar(used, total)} n/a"
+    if compact:
+        return f"{used / 2**30:.1f}/{total / 2**30:.0f} GiB"
     return f"{_bar(used, total)} {used / 2**30:5.1f}/{total / 2**30:.0f} GiB"
 
 
@@ -39,9 +70,17 @@ def _short_name(name: str, parent: str = "") -> str:
     return name.removeprefix("NVIDIA ")
 
 
-def _process_line(p: GpuProcess) -> str:
+def _process_line(p: GpuProcess, *, compact: bool) -> str:
     command = (p.command or "?")[:40]
-    return f"{p.user or '?'}:{p.pid} {command} ({human_bytes(p.used_memory)})"
+    line = f"{p.user or '?'}:{p.pid} {command}"
+    return line if compact else f"{line} ({human_bytes(p.used_memory)})"
+
+
+def _holder(h: Holder, *, compact: bool) -> str:
+    # Compact, a holder reads as a process does: "alice:4242 python train.py".
+    if not compact or h.problem:
+        return h.describe()
+    return f"{h.user or '?'}:{'?' if h.pid is None else h.pid} {h.command or ''}".rstrip()
 
 
 def _power(gpu: GPU) -> str:
@@ -51,17 +90,53 @@ def _power(gpu: GPU) -> str:
     return f"{gpu.power_draw_w:.0f}{limit} W"
 
 
+def _headers(*, cuda: bool, claims: bool, compact: bool) -> list[str]:
+    return [
+        "GPU",
+        *(["CUDA"] if cuda else []),
+        "name",
+        "memory",
+        "util",
+        "temp",
+        *([] if compact else ["power"]),
+        *(["claimed by"] if claims else []),
+        "user:pid command" if compact else "user:pid command (memory)",
+    ]
+
+
+@dataclass(frozen=True)
+class _CudaNumbers:
+    """CUDA's indices of each GPU and MIG instance, looked up once for the whole table."""
+
+    gpus: Mapping[int, list[int]]
+    migs: Mapping[str, list[int]]
+
+    @classmethod
+    def of(cls, view: VisibleDevices) -> _CudaNumbers:
+        migs: dict[str, list[int]] = {}
+        for d in view.devices or ():
+            if d.mig_uuid is not None:
+                migs.setdefault(d.mig_uuid, []).append(d.cuda_index)
+        return cls(view.cuda_indices(), migs)
+
+
+def _cuda_cell(indices: list[int]) -> str:
+    return ",".join(f"cuda:{i}" for i in indices) or "-"
+
+
 def _rows(
-    inv: Inventory, view: VisibleDevices, claims: Mapping[str, str] | None
-) -> list[tuple[list[str], str]]:
-    """(cells, style) per line: each GPU, then its MIG instances."""
-    show_cuda = _show_cuda(view)
-    cuda = view.cuda_indices()
-    rows: list[tuple[list[str], str]] = []
+    inv: Inventory,
+    cuda: _CudaNumbers | None,
+    claims: Mapping[str, Holder] | None,
+    *,
+    compact: bool,
+) -> list[_Row]:
+    """One row per GPU, then its MIG instances, with the cells ``_headers`` names."""
+    rows: list[_Row] = []
 
     def add(
         index: str,
-        cuda_ids: list[int],
+        cuda_ids: list[int] | None,
         name: str,
         memory: str,
         readings: list[str],
@@ -70,34 +145,34 @@ def _rows(
         style: str = "",
     ) -> None:
         cells = [index]
-        if show_cuda:
-            cells.append(",".join(f"cuda:{i}" for i in cuda_ids) or "-")
-        cells += [name, memory, *readings]
+        if cuda is not None:
+            cells.append(_cuda_cell(cuda_ids or []))
+        cells += [name, memory, *(readings[:2] if compact else readings)]
         if claims is not None:
-            cells.append(claims.get(uuid, "-"))
-        cells.append(", ".join(_process_line(p) for p in procs) or "-")
-        rows.append((cells, style))
+            holder = claims.get(uuid)
+            cells.append("-" if holder is None else _holder(holder, compact=compact))
+        cells.append(", ".join(_process_line(p, compact=compact) for p in procs) or "-")
+        rows.append(_Row(cells, style))
 
     for gpu in inv.gpus:
         readings = [na(gpu.utilization_gpu, "{}%"), na(gpu.temperature_c, "{}°C"), _power(gpu)]
         # On a MIG GPU the processes are shown under the instance they run in.
         add(
             str(gpu.index),
-            cuda.get(gpu.index, []),
+            None if cuda is None else cuda.gpus.get(gpu.index, []),
             _short_name(gpu.name) if gpu.error is None else f"unreadable: {gpu.error}",
-            _memory(gpu.memory_used, gpu.memory_total),
+            _memory(gpu.memory_used, gpu.memory_total, compact=compact),
             readings,
             gpu.uuid,
             () if gpu.mig_instances else gpu.processes,
             style="" if gpu.error is None else "red",
         )
         for mig in gpu.mig_instances:
-            mig_cuda = [d.cuda_index for d in view.devices or () if d.mig_uuid == mig.uuid]
             add(
                 f"{gpu.index}.{mig.index}",
-                mig_cuda,
+                None if cuda is None else cuda.migs.get(mig.uuid, []),
                 f"└ {_short_name(mig.name or 'MIG', gpu.name)}",
-                _memory(mig.memory_used, mig.memory_total),
+                _memory(mig.memory_used, mig.memory_total, compact=compact),
                 ["", "", ""],
                 mig.uuid,
                 mig.processes,
@@ -111,86 +186,148 @@ def _show_cuda(view: VisibleDevices) -> bool:
     return view.restricted or any(d.cuda_index != d.nvml_index for d in view.devices or ())
 
 
+def _natural_widths(headers: list[str], rows: list[_Row]) -> list[int]:
+    from rich.cells import cell_len
+
+    widths = [cell_len(h) for h in headers]
+    for row in rows:
+        if row.message is None and not row.section:
+            widths = [max(w, cell_len(c)) for w, c in zip(widths, row.cells, strict=True)]
+    return widths
+
+
+def _fit(headers: list[str], natural: list[int], width: int) -> dict[int, int]:
+    """Widths of the free-text columns so that the table is ``width`` wide, where it can be.
+
+    The readings keep their width; the name (and host) give way first, down to a few
+    characters; the holder and the processes share what is left, each keeping its own
+    width when the other needs less.
+    """
+    cut = [i for i, h in enumerate(headers) if h in _CUT]
+    left = width - _GAP * (len(headers) - 1) - sum(w for i, w in enumerate(natural) if i not in cut)
+    shared = [i for i in cut if headers[i] not in _GIVE_WAY]
+    widths: dict[int, int] = {}
+    for i in cut:
+        if i not in shared:
+            floor = min(natural[i], _GIVE_WAY[headers[i]])
+            room = left - sum(natural[j] for j in cut if j != i and j not in widths)
+            widths[i] = max(floor, min(natural[i], room))
+            left -= widths[i]
+    for n, i in enumerate(shared):
+        others = sum(natural[j] for j in shared[n + 1 :])
+        share = left // (len(shared) - n)
+        widths[i] = max(min(natural[i], max(share, left - others)), 8)
+        left -= widths[i]
+    return widths
+
+
+def _cell(text: str, width: int, *, right: bool) -> str:
+    from rich.cells import cell_len, set_cell_size
+
+    if cell_len(text) > width:
+        text = set_cell_size(text, max(width - 1, 0)) + "…"
+    pad = " " * (width - cell_len(text))
+    return pad + text if right else text + pad
+
+
+def _lines(headers: list[str], rows: list[_Row], widths: list[int]) -> Iterator[Text]:
+    """The table as lines of text: the header, then each row, a blank line between hosts.
+
+    Drawn here rather than by rich's Table, whose layout costs milliseconds a row: a table of
+    many hosts stays quick to print, in time linear in its rows.
+    """
+    from rich.text import Text
+
+    right = [h in _RIGHT for h in headers]
+    gap = " " * _GAP
+
+    def line(row: _Row) -> str:
+        parts = [_cell(c, w, right=r) for c, w, r in zip(row.cells, widths, right, strict=False)]
+        if row.message is not None:  # said whole; the line is cut only at the terminal's edge
+            parts.append(row.message)
+        return gap.join(parts).rstrip()
+
+    # Text, not markup: a command line such as `train.py tags=[/x]` is shown as it is (as a
+    # markup string it would vanish or raise, and any user can start such a process).
+    yield Text(line(_Row(headers)), style="bold", no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        if row.section:
+            yield Text("")
+            continue
+        # Every row has the cells its headers name: one more would be a column with no header.
+        assert row.message is not None or len(row.cells) == len(headers), (headers, row.cells)
+        yield Text(line(row), style=row.style, no_wrap=True, overflow="ellipsis")
+
+
+class GpuTable:
+    """A rich renderable that draws the full layout where it fits, else the compact one."""
+
+    def __init__(self, build: _Build) -> None:
+        self._build = build
+
+    def layout(self, width: int) -> tuple[list[str], list[_Row], list[int]]:
+        """Headers, rows and column widths at ``width`` columns: the full layout if it fits,
+        else the compact one, its free-text columns cut to fit."""
+        headers, rows = self._build(False)
+        natural = _natural_widths(headers, rows)
+        if sum(natural) + _GAP * (len(natural) - 1) <= width:
+            return headers, rows, natural
+        headers, rows = self._build(True)
+        natural = _natural_widths(headers, rows)
+        fit = _fit(headers, natural, width)
+        return headers, rows, [fit.get(i, w) for i, w in enumerate(natural)]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Text]:
+        yield from _lines(*self.layout(options.max_width))
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        from rich.cells import cell_len
+        from rich.measure import Measurement
+
+        widest = max(cell_len(line.plain) for line in _lines(*self.layout(options.max_width)))
+        return Measurement(min(widest, 20), widest)
+
+
 def build_table(
     inv: Inventory,
     view: VisibleDevices,
     *,
-    claims: Mapping[str, str] | None = None,
-) -> Table:
+    claims: Mapping[str, Holder] | None = None,
+) -> GpuTable:
     """The table of GPUs; ``claims`` (GPU UUID -> holder) adds a "claimed by" column."""
-    from rich.table import Table
-    from rich.text import Text
+    cuda = _CudaNumbers.of(view) if _show_cuda(view) else None
 
-    headers = [
-        "GPU",
-        *(["CUDA"] if _show_cuda(view) else []),
-        "name",
-        "memory",
-        "util",
-        "temp",
-        "power",
-        *(["claimed by"] if claims is not None else []),
-        "user:pid command (memory)",
-    ]
-    right = {"GPU", "CUDA", "util", "temp", "power"}
-    rows = _rows(inv, view, claims)
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for i, header in enumerate(headers):
-        # The readings keep their full width; on a narrow terminal only the free-text columns
-        # are cut (with an ellipsis), so each GPU stays on one line and keeps its index. rich
-        # shrinks only wrappable columns first; when every column is no_wrap it shrinks them
-        # all evenly and the narrow index column vanishes.
-        cut = header in _CUT
-        width = max([len(header), *(len(cells[i]) for cells, _ in rows)])
-        table.add_column(
-            Text(header, no_wrap=True, overflow="ellipsis"),
-            justify="right" if header in right else "left",
-            no_wrap=not cut,
-            min_width=None if cut else width,
-            overflow="ellipsis" if cut else "fold",
-        )
-    for cells, style in rows:
-        # Text, not markup: a command line such as `train.py tags=[/x]` is shown as it is
-        # (as a markup string it would vanish or raise, and any user can start such a process).
-        table.add_row(
-            *(Text(cell, no_wrap=True, overflow="ellipsis") for cell in cells), style=style
-        )
-    return table
+    def build(compact: bool) -> tuple[list[str], list[_Row]]:
+        headers = _headers(cuda=cuda is not None, claims=claims is not None, compact=compact)
+        return headers, _rows(inv, cuda, claims, compact=compact)
+
+    return GpuTable(build)
 
 
-def build_hosts_table(readings: Sequence[HostReading]) -> Table:
-    """One table of several machines' GPUs, a section per host; a failed host shows why."""
-    from rich.table import Table
-    from rich.text import Text
+def build_hosts_table(readings: Sequence[HostReading]) -> GpuTable:
+    """One table of several machines' GPUs, a section per host; a failed host shows why.
 
-    from gpukit.gpus.visible import resolve
+    GPUs are numbered as nvidia-smi numbers them on their host: CUDA's numbering there depends
+    on each process's environment, which cannot be known from here. Linear in the number of
+    GPUs (each host holds at most :data:`gpukit.gpus.hosts.MAX_GPUS`).
+    """
 
-    headers = ["host", "GPU", "name", "memory", "util", "temp", "power", "claimed by"]
-    headers.append("user:pid command (memory)")
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for header in headers:
-        cut = header in _CUT or header == "host"
-        table.add_column(
-            Text(header, no_wrap=True, overflow="ellipsis"),
-            justify="right" if header in {"GPU", "util", "temp", "power"} else "left",
-            no_wrap=not cut,
-            overflow="ellipsis" if cut else "fold",
-        )
-    for i, reading in enumerate(readings):
-        if i:
-            table.add_section()
-        if reading.inventory is None:
-            # The reason goes last, where a long line may run on without widening the GPU columns.
-            blank = ["" for _ in headers[3:-1]]
-            cells = [reading.host, "-", "no GPUs read", *blank, reading.error or "no answer"]
-            table.add_row(*(Text(c, no_wrap=True) for c in cells), style="red")
-            continue
-        # CUDA's numbering there is unknown from here: show nvidia-smi's, as the host would.
-        view = resolve(None, "PCI_BUS_ID", reading.inventory)
-        claims = {uuid: holder.describe() for uuid, holder in reading.claims.items()}
-        for j, (cells, style) in enumerate(_rows(reading.inventory, view, claims)):
-            host = reading.host if j == 0 else ""
-            table.add_row(
-                *(Text(c, no_wrap=True, overflow="ellipsis") for c in [host, *cells]), style=style
-            )
-    return table
+    def build(compact: bool) -> tuple[list[str], list[_Row]]:
+        headers = ["host", *_headers(cuda=False, claims=True, compact=compact)]
+        rows: list[_Row] = []
+        for i, reading in enumerate(readings):
+            if i:
+                rows.append(_Row([], section=True))
+            if reading.inventory is None:
+                # The reason runs on from the name column, whole, without widening a column.
+                message = reading.error or "no answer"
+                rows.append(_Row([reading.host, "-"], "red", message=message))
+                continue
+            for j, row in enumerate(
+                _rows(reading.inventory, None, reading.claims, compact=compact)
+            ):
+                host = reading.host if j == 0 else ""
+                rows.append(_Row([host, *row.cells], row.style))
+        return headers, rows
+
+    return GpuTable(build)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +38,14 @@ def console(*, stderr: bool = False) -> Console:
 
 
 def print_json(payload: dict[str, Any]) -> None:
-    """Print ``payload`` (which carries its own ``schema`` field) as JSON on stdout."""
-    json.dump(payload, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    """Print ``payload`` (which carries its own ``schema`` field) as JSON on stdout.
+
+    Non-finite numbers are written as ``null``: ``NaN`` and ``Infinity`` are not JSON, and a
+    strict reader (``jq``, JavaScript) refuses the whole document for one of them.
+    """
+    from gpukit.untrusted import dumps
+
+    sys.stdout.write(dumps(payload, indent=2, default=str) + "\n")
 
 
 def na(value: object, fmt: str = "{}") -> str:
@@ -50,15 +54,10 @@ def na(value: object, fmt: str = "{}") -> str:
 
 
 def human_bytes(n: float | None) -> str:
-    """``1536 -> '1.5 KiB'``; ``None -> 'n/a'``."""
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    """``1536 -> '1.5 KiB'`` (:func:`gpukit.gpus.select.format_size`); ``None -> 'n/a'``."""
+    from gpukit.gpus.select import format_size
+
+    return "n/a" if n is None else format_size(n)
 
 
 def say_if_fake(command: str) -> None:

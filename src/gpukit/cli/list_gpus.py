@@ -6,7 +6,6 @@ Never imports torch, and imports rich only for human output, so that it starts f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from gpukit.cli._output import na, print_json
 from gpukit.errors import ExitCode
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.visible import Grant, VisibleDevices, granted_gpus, visible_devices
+from gpukit.untrusted import dumps
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -93,9 +93,7 @@ def _render(inv: Inventory, view: VisibleDevices, locks: LockFolderState) -> Ren
         # pick and run choose only among them.
         mine = ",".join(map(str, grant.indices)) or "none"
         head.append(f" · this job's GPUs: {mine} ({grant.describe()})", style="bold")
-    held = locks.claims
-    claims = {uuid: holder.describe() for uuid, holder in held.items()} if held else None
-    parts: list[RenderableType] = [head, build_table(inv, view, claims=claims)]
+    parts: list[RenderableType] = [head, build_table(inv, view, claims=locks.claims or None)]
     parts.extend(Text(f"note: {w}", style="yellow") for w in view.warnings)
     if why is not None:
         parts.append(Text(f"note: {why}", style="yellow"))
@@ -129,7 +127,7 @@ def _watch(args: argparse.Namespace) -> int:
             while True:
                 inv, view, locks = _read()
                 if args.json:
-                    sys.stdout.write(json.dumps(_payload(inv, view, locks), default=str) + "\n")
+                    sys.stdout.write(dumps(_payload(inv, view, locks), default=str) + "\n")
                     sys.stdout.flush()
                 else:
                     _print(out, _render(inv, view, locks))

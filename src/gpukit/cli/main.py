@@ -90,6 +90,18 @@ def _selected(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _check_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Refuse an unknown command with the closest known ones, before argparse lists them all."""
+    import difflib
+
+    word = next((arg for arg in argv if not arg.startswith("-")), None)
+    if word is None or word in COMMANDS:
+        return
+    close = difflib.get_close_matches(word, COMMANDS, n=2, cutoff=0.6)
+    guess = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    parser.error(f"unknown command {word[:40]!r}.{guess} The commands: {', '.join(COMMANDS)}.")
+
+
 def _warning_line(command: str) -> Callable[..., None]:
     """A ``warnings.showwarning`` that prints ``gpukit COMMAND: warning: MESSAGE``, no source."""
 
@@ -113,8 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = _selected(args_list)
     parser = build_parser(selected)
     if not args_list:
-        parser.print_help()
-        return ExitCode.OK
+        # No command is a usage error, as for git: a script calling bare gpukit learns so.
+        parser.print_help(sys.stderr)
+        return ExitCode.USAGE
+    _check_command(parser, args_list)
     args, extra = parser.parse_known_args(args_list)
     if extra:  # said by the command's own parser, so that the message names the command
         command_parser = _subparser(parser, args.command) if args.command else parser

@@ -10,7 +10,6 @@ Never imports torch, and imports rich only for human output, so that it starts f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING
 from gpukit.cli._args import Seconds, add_watch
 from gpukit.cli._output import human_bytes, na, print_json, say_if_fake
 from gpukit.gpus.sharing import IDLE_AFTER_S, Sharing, sharing
+from gpukit.untrusted import dumps, printable
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -91,7 +91,7 @@ def _render(state: Sharing) -> RenderableType:
     )
     table(
         "waiters",
-        ["#", "user", "pid", "n", "criteria", "for", "why not yet"],
+        ["#", "user", "pid", "n", "criteria", "for", "why not yet", "command"],
         [
             [
                 str(w.position),
@@ -101,6 +101,7 @@ def _render(state: Sharing) -> RenderableType:
                 na(w.criteria),
                 _ago(w.since, now),
                 w.reason,
+                na(w.command),
             ]
             for w in state.waiters
         ],
@@ -129,11 +130,16 @@ def _render(state: Sharing) -> RenderableType:
             "not waiters (in the queue folder)",
             ["name", "why"],
             # Names any user chose: no control character reaches the terminal.
-            [
-                ["".join(c if c.isprintable() else "?" for c in f.name), f.why]
-                for f in state.foreign
-            ],
+            [[printable(f.name) or "?", f.why] for f in state.foreign],
             "",
+        )
+    if state.foreign_not_listed:
+        parts.append(
+            Text(
+                f"not waiters: {state.foreign_not_listed} more not listed (the first "
+                f"{len(state.foreign)} by name are shown)",
+                style="dim",
+            )
         )
     return Group(*parts)
 
@@ -157,7 +163,7 @@ def _watch(args: argparse.Namespace, idle_after: float) -> int:
             while True:
                 state = sharing(idle_after=idle_after)
                 if args.json:
-                    sys.stdout.write(json.dumps(state.to_json(), default=str) + "\n")
+                    sys.stdout.write(dumps(state.to_json(), default=str) + "\n")
                     sys.stdout.flush()
                 else:
                     _print(out, _render(state))

@@ -13,11 +13,13 @@ import argparse
 import datetime as dt
 import math
 import re
+import sys
 import time
 
 from gpukit.cli._output import print_json
 from gpukit.errors import InvalidArgumentError
 from gpukit.gpus.usage import Usage, usage
+from gpukit.untrusted import json_safe
 
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SPAN = re.compile(r"(\d+(?:\.\d+)?)([mhdw])")
@@ -106,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
     """Add up the ledger per user and print it."""
     now = time.time()
     report = usage(parse_since(args.since, now), until=now)
+    for note in report.notes:  # also in --json; here for whoever reads the table
+        print(f"gpukit usage: note: {note}.", file=sys.stderr)
     if args.json:
-        print_json(report.to_json())
+        data = json_safe(report.to_json())  # finite numbers only, whatever the ledger held
+        assert isinstance(data, dict)
+        print_json(data)
     else:
         _render(report)
     return 0

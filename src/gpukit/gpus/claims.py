@@ -26,7 +26,6 @@ import fcntl
 import functools
 import getpass
 import json
-import math
 import os
 import socket
 import sys
@@ -48,6 +47,14 @@ from gpukit.gpus import ledger
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockdir import LOCK_DIR_VAR, lock_dir
 from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder, owner_name
+from gpukit.untrusted import (
+    InvalidInput,
+    as_dict,
+    as_float,
+    parse_json,
+    printable,
+    read_bounded,
+)
 
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import GPU
@@ -75,12 +82,18 @@ class Holder:
     """Why the lock file could not be read (a link, a FIFO...): the GPU counts as taken."""
 
     def describe(self) -> str:
-        """``'bob (pid 4242: python train.py)'``: for tables and error messages."""
-        if self.problem:
+        """``'bob (pid 4242: python train.py)'``: for tables and error messages.
+
+        A lock held with a record that cannot be read names the holder the kernel reports:
+        ``'bob (pid 4242: python train.py), record unreadable'``.
+        """
+        known = self.problem == _UNREADABLE and (self.user, self.pid) != (None, None)
+        if self.problem and not known:
             return f"? ({self.problem})"
         who = self.user or "?"
         command = f": {self.command[:40]}" if self.command else ""
-        return f"{who} (pid {self.pid if self.pid is not None else '?'}{command})"
+        text = f"{who} (pid {self.pid if self.pid is not None else '?'}{command})"
+        return f"{text}, {self.problem}" if self.problem else text
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -105,37 +118,34 @@ def _lock_path(folder: Path, uuid: str) -> Path:
     return folder / f"{uuid}.lock"
 
 
-_NOBODY = Holder(None, None, None, None, None)
+_UNREADABLE = "record unreadable"
+# Held, by someone whose record says nothing gpukit can use: empty, half-written, not ours.
+_NOBODY = Holder(None, None, None, None, None, problem=_UNREADABLE)
+_MAX_HOLDER = 64 * 1024
 # Lengths past which a field is cut: a record is shown in one table cell or one message.
 _TEXT_LIMITS = {"user": 64, "host": 255, "command": 500}
 
 
 def _text(value: object, limit: int) -> str | None:
     """A printable string from an untrusted field; None for anything that is not a string."""
-    if not isinstance(value, str):
-        return None
     # Control characters could move the cursor or recolour the terminal of `gpukit list`.
-    clean = "".join(c if c.isprintable() else "?" for c in value[:limit])
-    return clean or None
+    return printable(value, limit=limit)
 
 
 def _number(value: object, low: float, high: float) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """A finite number within ``[low, high]`` from an untrusted field; None for anything else."""
+    try:
+        return as_float(value, low=low, high=high)
+    except InvalidInput:
         return None
-    # Compared before any conversion: float() of a 400-digit int raises OverflowError.
-    if not low <= value <= high or (isinstance(value, float) and not math.isfinite(value)):
-        return None
-    return float(value)
 
 
 def _read_holder(data: bytes) -> Holder:
     """The holder a lock file records. Any user can write that file: trust no field of it."""
     try:
-        raw = json.loads(data.decode())
-    except (ValueError, RecursionError):
-        # Half-written by a holder that is locking it right now, or not ours: held, by someone.
-        return _NOBODY
-    if not isinstance(raw, dict):
+        raw = as_dict(parse_json(data, limit=_MAX_HOLDER))
+    except InvalidInput:
+        # Empty, half-written, emptied by a co-user, or not ours: held, by someone.
         return _NOBODY
     pid = _number(raw.get("pid"), 1, 2**31 - 1)
     return Holder(
@@ -179,7 +189,8 @@ def _as_the_kernel_says(
             command = _text(f.read().replace(b"\0", b" ").decode(errors="replace").strip(), 500)
     except OSError:
         command = None
-    return Holder(owner_name(uid) if uid is not None else None, pid, None, command, None)
+    who = owner_name(uid) if uid is not None else None
+    return Holder(who, pid, None, command, None, problem=holder.problem)
 
 
 def _holder_in(
@@ -197,12 +208,14 @@ def _holder_in(
     except LockFolderError as exc:
         return Holder(None, None, None, None, None, problem=f"unreadable lock file: {exc.message}")
     try:
-        data = os.read(fd, 64 * 1024)
-        if not data.strip():
-            return None  # a holder writes its record before anyone could see the lock matter
-        # A shared lock is granted only when no claim (exclusive lock) is held.
+        try:
+            data = read_bounded(fd, _MAX_HOLDER)
+        except InvalidInput:
+            data = b""  # too large to be a record of gpukit's: unreadable
+        # Free or held is the lock's word alone, never the content's (anyone can empty a lock
+        # file): a shared lock is granted only when no claim (exclusive lock) is held.
         if _try_lock(fd, fcntl.LOCK_SH):
-            return None  # its holder died: the kernel dropped the lock, the record stayed
+            return None  # free; or its holder died and the kernel dropped the lock
         return _as_the_kernel_says(_read_holder(data), os.fstat(fd).st_ino, locks())
     except OSError:
         return _NOBODY  # cannot tell: count it as taken rather than hand the GPU out twice
@@ -318,7 +331,7 @@ class Claim:
         while self._fds:
             _, fd = self._fds.popitem()
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # an empty file reads as free without probing the lock
+                os.ftruncate(fd, 0)  # no record of a claim that has ended stays behind
             os.close(fd)
 
     def __enter__(self) -> Claim:

@@ -9,8 +9,10 @@ gpu2 unreachable: ssh: connect to host gpu2 port 22: Connection refused
 Each host runs ``gpukit list --json`` when gpukit is installed there, else
 ``nvidia-smi --query-gpu=... --format=csv``, in one ssh round trip. All hosts are asked at once;
 one that does not answer costs at most ``timeout`` seconds, after which its ssh (and everything
-it started) is killed. What a host answers is data from another machine: it is parsed, never
-run, and anything unreadable becomes that host's error.
+it started) is killed. What a host answers is data from another machine: it is read with a cap
+(:data:`ANSWER_LIMIT`, its ssh killed past it), parsed through :mod:`gpukit.untrusted` with every
+field checked by type and range and every string made printable, never run; anything refused
+becomes that host's error, and the other hosts are shown as if it had not answered at all.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import json
 import math
 import os
 import shlex
@@ -33,7 +34,19 @@ from typing import Any
 
 from gpukit.errors import GpukitError, InvalidArgumentError
 from gpukit.gpus.claims import Holder
-from gpukit.gpus.inventory import GPU, Inventory
+from gpukit.gpus.inventory import GPU, GpuProcess, Inventory, MigInstance
+from gpukit.gpus.inventory import SCHEMA as INVENTORY_SCHEMA
+from gpukit.untrusted import (
+    InvalidInput,
+    as_dict,
+    as_float,
+    as_int,
+    as_list,
+    as_str,
+    parse_json,
+    printable,
+    read_streams,
+)
 
 SCHEMA = "gpukit.hosts/1"
 SSH_VAR = "GPUKIT_SSH"
@@ -50,7 +63,7 @@ NVIDIA_SMI_FIELDS = (
     "utilization.memory",
     "temperature.gpu",
     "power.draw",
-    "power.limit",
+    "enforced.power.limit",
     "driver_version",
 )
 """The ``nvidia-smi --query-gpu`` fields read from a host without gpukit, in this order."""
@@ -62,8 +75,6 @@ REMOTE_SCRIPT = (
     "--format=csv,noheader,nounits; fi"
 )
 """What runs on each host, through its login shell (ssh passes one command line)."""
-
-_MAX_ANSWER = 16 * 2**20  # far beyond any inventory: such an answer is not parsed
 
 
 @dataclass(frozen=True)
@@ -129,187 +140,261 @@ def parse_hosts(text: str) -> list[str]:
     return list(dict.fromkeys(hosts))
 
 
-def _number(text: str) -> float | None:
+MAX_GPUS = 64
+"""The most GPUs gpukit reads from one host's answer. The largest single machines have 16; an
+answer listing more is not one machine's inventory, and is refused rather than shown, so that
+one host cannot make the table of all hosts arbitrarily long."""
+
+ANSWER_LIMIT = 4 * 2**20
+"""The most bytes of standard output read from one host (64 busy GPUs take well under 1 MiB).
+At the limit the host's ssh is killed: an endless answer costs this much memory, no more."""
+
+MESSAGES_LIMIT = 64 * 2**10
+"""The most bytes of standard error (ssh's and the host's messages) read from one host."""
+
+_MAX_BYTES = 2**60  # memory readings past an exbibyte are not readings
+_MEMORY = {"low": -_MAX_BYTES, "high": _MAX_BYTES}  # free memory can read below 0
+_MAX_WATTS = 1e6
+
+
+def _text(value: object, *, what: str, limit: int = 500, required: bool = False) -> str | None:
+    """A string of the answer, with every control character as ``?``; None if absent."""
+    if value is None and not required:
+        return None
+    shown = printable(as_str(value, limit=4 * limit, what=what), limit=limit)
+    if shown is None and required:
+        raise InvalidInput(f"{what} is empty")
+    return shown
+
+
+def _maybe(value: object, check: Any, **bounds: Any) -> Any:
+    return None if value is None else check(value, **bounds)
+
+
+def _number(text: str, *, what: str, high: float) -> float | None:
+    """One nvidia-smi reading: a finite number from 0 to ``high``, or None for "[N/A]"."""
     text = text.strip()
     if not text or text.startswith("[") or text.upper() in ("N/A", "NONE"):
         return None  # "[N/A]", "[Not Supported]": the GPU cannot give this reading
-    return float(text)
+    if len(text) > 32:
+        raise InvalidInput(f"{what} is not a number")
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidInput(f"{what} is not a number") from None
+    return as_float(value, low=0, high=high, what=what)
 
 
-def _whole(text: str) -> int | None:
-    value = _number(text)
+def _whole(text: str, *, what: str, high: float) -> int | None:
+    value = _number(text, what=what, high=high)
     return None if value is None else round(value)
 
 
-def _mib(text: str) -> int | None:
-    value = _number(text)
+def _mib(text: str, *, what: str) -> int | None:
+    value = _number(text, what=what, high=_MAX_BYTES / 2**20)  # nvidia-smi never reads < 0
     return None if value is None else round(value * 2**20)
 
 
 def parse_nvidia_smi_csv(text: str) -> Inventory:
     """Read ``nvidia-smi --query-gpu=<NVIDIA_SMI_FIELDS> --format=csv,noheader,nounits``.
 
-    Memory comes in MiB and is given in bytes, as everywhere in gpukit. Raises
-    InvalidArgumentError for text that is not such a table.
+    Memory comes in MiB and is given in bytes, as everywhere in gpukit. Every number must be
+    finite and in range, every string is made printable, and at most :data:`MAX_GPUS` rows are
+    read. Raises InvalidArgumentError for text that is not such a table.
     """
+    hint = "Check that nvidia-smi works on that host."
     try:
-        rows = list(csv.reader(io.StringIO(text), skipinitialspace=True))
-    except csv.Error as exc:
+        rows = [row for row in csv.reader(io.StringIO(text), skipinitialspace=True) if row]
+    except csv.Error:
+        raise InvalidArgumentError("the answer is not CSV.", hint=hint) from None
+    if len(rows) > MAX_GPUS:
         raise InvalidArgumentError(
-            f"The answer is not CSV ({exc}).", hint="Check that nvidia-smi works on that host."
-        ) from exc
+            f"nvidia-smi listed {len(rows)} GPUs, more than the {MAX_GPUS} gpukit reads from "
+            "one host.",
+            hint=hint,
+        )
     gpus = []
     driver = None
     for row in rows:
-        if not row:
-            continue
         if len(row) != len(NVIDIA_SMI_FIELDS):
             raise InvalidArgumentError(
-                f"Expected {len(NVIDIA_SMI_FIELDS)} nvidia-smi columns, got {len(row)}: "
-                f"{','.join(row)[:120]!r}.",
-                hint="Check that nvidia-smi works on that host.",
+                f"expected {len(NVIDIA_SMI_FIELDS)} nvidia-smi columns, got {len(row)}.",
+                hint=hint,
             )
         v = dict(zip(NVIDIA_SMI_FIELDS, (c.strip() for c in row), strict=True))
         try:
-            index = int(v["index"])
-            power = _number(v["power.draw"])
-            limit = _number(v["power.limit"])
+            index = _whole(v["index"], what="index", high=2**31)
+            if index is None:
+                raise InvalidInput("index is missing")
             gpus.append(
                 GPU(
                     index=index,
-                    uuid=v["uuid"],
-                    name=v["name"],
-                    pci_bus_id=v["pci.bus_id"] or None,
-                    memory_total=_mib(v["memory.total"]),
-                    memory_used=_mib(v["memory.used"]),
-                    memory_free=_mib(v["memory.free"]),
-                    utilization_gpu=_whole(v["utilization.gpu"]),
-                    utilization_memory=_whole(v["utilization.memory"]),
-                    temperature_c=_whole(v["temperature.gpu"]),
-                    power_draw_w=power,
-                    power_limit_w=limit,
+                    uuid=_text(v["uuid"], what="uuid", limit=128, required=True) or "",
+                    name=_text(v["name"], what="name", limit=128, required=True) or "",
+                    pci_bus_id=_text(v["pci.bus_id"], what="pci.bus_id", limit=64),
+                    memory_total=_mib(v["memory.total"], what="memory.total"),
+                    memory_used=_mib(v["memory.used"], what="memory.used"),
+                    memory_free=_mib(v["memory.free"], what="memory.free"),
+                    utilization_gpu=_whole(v["utilization.gpu"], what="utilization", high=100),
+                    utilization_memory=_whole(
+                        v["utilization.memory"], what="utilization", high=100
+                    ),
+                    temperature_c=_whole(v["temperature.gpu"], what="temperature", high=1000),
+                    power_draw_w=_number(v["power.draw"], what="power.draw", high=_MAX_WATTS),
+                    power_limit_w=_number(
+                        v["enforced.power.limit"], what="enforced.power.limit", high=_MAX_WATTS
+                    ),
                 )
             )
-        except ValueError as exc:
+        except InvalidInput as exc:
             raise InvalidArgumentError(
-                f"Cannot read the nvidia-smi line {','.join(row)[:120]!r} ({exc}).",
-                hint="Check that nvidia-smi works on that host.",
-            ) from exc
-        driver = driver or v["driver_version"] or None
+                f"nvidia-smi line {len(gpus) + 1}: {exc}.", hint=hint
+            ) from None
+        driver = driver or _text(v["driver_version"], what="driver_version", limit=64)
     if not gpus:
-        raise InvalidArgumentError(
-            "nvidia-smi listed no GPU.", hint="Check that nvidia-smi works on that host."
-        )
+        raise InvalidArgumentError("nvidia-smi listed no GPU.", hint=hint)
     return Inventory(gpus=tuple(gpus), driver_version=driver, source="nvidia-smi")
 
 
-def _claims(payload: Mapping[str, Any]) -> dict[str, Holder]:
+def _process(item: object) -> GpuProcess:
+    p = as_dict(item, what="a process")
+    return GpuProcess(
+        pid=as_int(p.get("pid"), high=2**32, what="a process's pid"),
+        user=_text(p.get("user"), what="a process's user", limit=64),
+        command=_text(p.get("command"), what="a process's command"),
+        used_memory=_maybe(p.get("used_memory"), as_int, what="used_memory", **_MEMORY),
+    )
+
+
+def _processes(value: object) -> tuple[GpuProcess, ...]:
+    return tuple(_process(p) for p in as_list([] if value is None else value, what="processes"))
+
+
+def _mig(item: object) -> MigInstance:
+    m = as_dict(item, what="a MIG instance")
+    memory = {
+        key: _maybe(m.get(key), as_int, what=key, **_MEMORY)
+        for key in ("memory_total", "memory_used")
+    }
+    return MigInstance(
+        index=as_int(m.get("index"), high=64, what="a MIG instance's index"),
+        uuid=_text(m.get("uuid"), what="a MIG instance's uuid", limit=128, required=True) or "",
+        name=_text(m.get("name"), what="a MIG instance's name", limit=128),
+        processes=_processes(m.get("processes")),
+        **memory,
+    )
+
+
+def _gpu(item: object) -> GPU:
+    g = as_dict(item, what="a GPU")
+    memory = {
+        key: _maybe(g.get(key), as_int, what=key, **_MEMORY)
+        for key in ("memory_total", "memory_used", "memory_free", "memory_reserved")
+    }
+    cc = g.get("compute_capability")
+    if cc is not None:
+        pair = as_list(cc, limit=2, what="compute_capability")
+        if len(pair) != 2:
+            raise InvalidInput("compute_capability is not a pair")
+        cc = tuple(as_int(n, high=100, what="compute_capability") for n in pair)
+    mig_mode = g.get("mig_mode")
+    if mig_mode is not None and type(mig_mode) is not bool:
+        raise InvalidInput("mig_mode is not true or false")
+    return GPU(
+        index=as_int(g.get("index"), high=2**31, what="a GPU's index"),
+        uuid=_text(g.get("uuid"), what="a GPU's uuid", limit=128, required=True) or "",
+        name=_text(g.get("name"), what="a GPU's name", limit=128, required=True) or "",
+        pci_bus_id=_text(g.get("pci_bus_id"), what="pci_bus_id", limit=64),
+        utilization_gpu=_maybe(g.get("utilization_gpu"), as_int, high=100, what="utilization"),
+        utilization_memory=_maybe(
+            g.get("utilization_memory"), as_int, high=100, what="utilization"
+        ),
+        temperature_c=_maybe(
+            g.get("temperature_c"), as_int, low=-273, high=1000, what="temperature"
+        ),
+        power_draw_w=_maybe(g.get("power_draw_w"), as_float, low=0, high=_MAX_WATTS),
+        power_limit_w=_maybe(g.get("power_limit_w"), as_float, low=0, high=_MAX_WATTS),
+        compute_capability=cc,
+        mig_mode=mig_mode,
+        mig_instances=tuple(_mig(m) for m in as_list(g.get("mig_instances", []), limit=16)),
+        processes=_processes(g.get("processes")),
+        error=_text(g.get("error"), what="a GPU's error"),
+        **memory,
+    )
+
+
+def _inventory(payload: dict[str, Any]) -> Inventory:
+    """The inventory in a host's ``gpukit list --json``, every field checked by type and range,
+    every string made printable: the table and the JSON show only what passed."""
+    schema = payload.get("schema")
+    if schema != INVENTORY_SCHEMA:
+        shown = printable(schema, limit=40) if type(schema) is str else None
+        raise InvalidInput(
+            f"its gpukit wrote {shown or 'no'} schema; this gpukit reads {INVENTORY_SCHEMA!r}"
+        )
+    gpus = as_list(payload.get("gpus"), limit=4096, what="gpus")
+    if len(gpus) > MAX_GPUS:
+        raise InvalidInput(f"it lists {len(gpus)} GPUs, more than the {MAX_GPUS} gpukit reads")
+    return Inventory(
+        gpus=tuple(_gpu(g) for g in gpus),
+        driver_version=_text(payload.get("driver_version"), what="driver_version", limit=64),
+        cuda_driver_version=_text(payload.get("cuda_driver_version"), what="the CUDA version"),
+        taken_at=_maybe(payload.get("taken_at"), as_float, low=0, high=1e11) or 0.0,
+        elapsed_s=_maybe(payload.get("elapsed_s"), as_float, low=0, high=1e6) or 0.0,
+        source=_text(payload.get("source"), what="source", limit=200) or "nvml",
+    )
+
+
+def _claims(payload: dict[str, Any]) -> dict[str, Holder]:
+    """GPU UUID -> holder, as the host's gpukit wrote them; a record of the wrong shape is
+    dropped (claims are extra information), every string made printable."""
     raw = payload.get("claims")
-    if not isinstance(raw, Mapping):
+    if type(raw) is not dict or len(raw) > 4 * MAX_GPUS:
         return {}
     claims = {}
     for uuid, record in raw.items():
-        if isinstance(record, Mapping):
-            # Another machine's record: keep each field only when it has the right type.
-            def get(key: str, kind: type | tuple[type, ...], r: Mapping[str, Any] = record) -> Any:
-                value = r.get(key)
-                return value if isinstance(value, kind) and not isinstance(value, bool) else None
-
-            claims[str(uuid)] = Holder(
-                user=get("user", str),
-                pid=get("pid", int),
-                host=get("host", str),
-                command=get("command", str),
-                since=get("since", (int, float)),
+        try:
+            r = as_dict(record)
+            key = _text(uuid, what="a claimed GPU", limit=128, required=True) or ""
+            claims[key] = Holder(
+                user=_text(r.get("user"), what="user", limit=64),
+                pid=_maybe(r.get("pid"), as_int, high=2**32),
+                host=_text(r.get("host"), what="host", limit=255),
+                command=_text(r.get("command"), what="command"),
+                since=_maybe(r.get("since"), as_float, low=0, high=1e11),
+                problem=_text(r.get("problem"), what="problem"),
             )
+        except InvalidInput:
+            continue
     return claims
 
 
-_INT = (int,)
-_NUMBER = (int, float)
-_TEXT = (str,)
-# What each reading of another machine's inventory must be (or None), before anything shows it.
-_GPU_FIELDS = {
-    "index": _INT,
-    "uuid": _TEXT,
-    "name": _TEXT,
-    "pci_bus_id": _TEXT,
-    "memory_total": _INT,
-    "memory_used": _INT,
-    "memory_free": _INT,
-    "memory_reserved": _INT,
-    "utilization_gpu": _NUMBER,
-    "utilization_memory": _NUMBER,
-    "temperature_c": _NUMBER,
-    "power_draw_w": _NUMBER,
-    "power_limit_w": _NUMBER,
-    "error": _TEXT,
-}
-_MIG_FIELDS = {
-    "index": _INT,
-    "uuid": _TEXT,
-    "name": _TEXT,
-    "memory_total": _INT,
-    "memory_used": _INT,
-}
-_PROCESS_FIELDS = {"pid": _INT, "user": _TEXT, "command": _TEXT, "used_memory": _INT}
-_REQUIRED = {"index", "uuid", "name", "pid"}
+def parse_answer(host: str, stdout: str | bytes) -> HostReading:
+    """Turn a host's standard output (gpukit JSON or nvidia-smi CSV) into a reading.
 
-
-def _check(item: object, fields: Mapping[str, tuple[type, ...]], what: str) -> None:
-    for name, kinds in fields.items():
-        value = getattr(item, name)
-        if value is None and name not in _REQUIRED:
-            continue
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise InvalidArgumentError(f"its gpukit gave a {what} {name} of {value!r}.")
-
-
-def _check_inventory(inv: Inventory) -> Inventory:
-    """``inv``, once every reading the table shows has its type: another machine wrote it."""
-    for gpu in inv.gpus:
-        _check(gpu, _GPU_FIELDS, "GPU")
-        for mig in gpu.mig_instances:
-            _check(mig, _MIG_FIELDS, "MIG instance")
-            for p in mig.processes:
-                _check(p, _PROCESS_FIELDS, "process")
-        for p in gpu.processes:
-            _check(p, _PROCESS_FIELDS, "process")
-    for name in ("driver_version", "cuda_driver_version"):
-        value = getattr(inv, name)
-        if value is not None and not isinstance(value, str):
-            raise InvalidArgumentError(f"its gpukit gave a {name} of {value!r}.")
-    return inv
-
-
-def parse_answer(host: str, stdout: str) -> HostReading:
-    """Turn a host's standard output (gpukit JSON or nvidia-smi CSV) into a reading."""
-    text = stdout.strip()
+    Anything not understood becomes the host's error (``answer not understood: ...``), never an
+    exception: one host's answer cannot stop the others from being shown.
+    """
+    data = stdout.encode(errors="replace") if isinstance(stdout, str) else stdout
+    text = data.decode(errors="replace").strip()
     try:
         if text.startswith("{"):
             try:
-                payload = json.loads(text)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"its gpukit answered broken JSON ({exc}).") from exc
-            if not isinstance(payload, dict):
-                raise InvalidArgumentError("its gpukit answered JSON that is not an inventory.")
-            try:
-                inv = _check_inventory(Inventory.from_json(payload))
-            except (ArithmeticError, AttributeError, LookupError, TypeError, ValueError) as exc:
-                # from_json trusts its writer's shapes; another machine's answer earns no trust.
-                raise InvalidArgumentError(
-                    f"its gpukit answered a malformed inventory ({exc!r})."
-                ) from exc
-            return HostReading(host, inv, claims=_claims(payload), via="gpukit")
+                payload = as_dict(parse_json(data, limit=ANSWER_LIMIT), what="the answer")
+                return HostReading(host, _inventory(payload), _claims(payload), via="gpukit")
+            except InvalidInput as exc:
+                # Said without the answer itself: JSON's first line is "{".
+                return HostReading(host, error=f"answer not understood: its gpukit answered {exc}")
         return HostReading(host, parse_nvidia_smi_csv(text), via="nvidia-smi")
     except GpukitError as exc:
-        first = text.splitlines()[0][:120] if text else "nothing"
-        return HostReading(host, error=f"unreadable answer ({exc.message}; it began {first!r})")
+        first = printable(text.splitlines()[0] if text else "", limit=80)
+        began = f"; it began {first!r}" if first else ""
+        return HostReading(host, error=f"answer not understood: {exc.message.rstrip('.')}{began}")
 
 
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
+    return (printable(lines[-1], limit=300) or "") if lines else ""
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -319,8 +404,17 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.communicate()
 
 
+def _size(limit: int) -> str:
+    return f"{limit // 2**20} MiB" if limit >= 2**20 else f"{limit // 2**10} KiB"
+
+
 def read_host(host: str, ssh: Sequence[str], timeout: float) -> HostReading:
-    """Ask one host for its GPUs through ``ssh``; never raises for a host that fails."""
+    """Ask one host for its GPUs through ``ssh``; never raises for a host that fails.
+
+    Its output is read as it comes, at most :data:`ANSWER_LIMIT` bytes of answer and
+    :data:`MESSAGES_LIMIT` of messages: past either, or past ``timeout``, its ssh (and
+    everything that ssh started) is killed.
+    """
     start = time.monotonic()
     proc = subprocess.Popen(
         [*ssh, host, REMOTE_SCRIPT],
@@ -329,27 +423,38 @@ def read_host(host: str, ssh: Sequence[str], timeout: float) -> HostReading:
         stderr=subprocess.PIPE,
         start_new_session=True,  # so that a timeout kills ssh's children too
     )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    limits = (ANSWER_LIMIT, MESSAGES_LIMIT)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop(proc)
-        return HostReading(
-            host,
-            error=f"unreachable: no answer within {timeout:g} s",
-            elapsed_s=time.monotonic() - start,
+        streams = read_streams(
+            [proc.stdout.fileno(), proc.stderr.fileno()], limits, timeout=timeout
         )
-    except BaseException:
-        _stop(proc)
-        raise
+        if streams.complete:
+            # Both pipes ended: ssh is exiting. Give it what is left of the time to say how.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(timeout - (time.monotonic() - start), 0.01))
+    finally:
+        if proc.returncode is None:
+            _stop(proc)
+        else:
+            proc.communicate()
     elapsed = time.monotonic() - start
-    if len(out) > _MAX_ANSWER:
-        return HostReading(host, error="answered more than 16 MiB; not read", elapsed_s=elapsed)
-    stderr = err.decode(errors="replace")
+    out, err = streams.data
+    if streams.over_limit is not None:
+        what = ("answer", "messages")[streams.over_limit]
+        limit = _size(limits[streams.over_limit])
+        return HostReading(host, error=f"{what} larger than {limit}; not read", elapsed_s=elapsed)
+    if streams.timed_out or proc.returncode < 0:
+        return HostReading(
+            host, error=f"unreachable: no answer within {timeout:g} s", elapsed_s=elapsed
+        )
     if proc.returncode != 0:
-        why = _last_line(stderr) or f"{ssh[0]} exited with status {proc.returncode}"
+        why = _last_line(err.decode(errors="replace"))
+        why = why or f"{ssh[0]} exited with status {proc.returncode}"
         prefix = "unreachable" if proc.returncode == 255 else "failed"
         return HostReading(host, error=f"{prefix}: {why}", elapsed_s=elapsed)
-    reading = parse_answer(host, out.decode(errors="replace"))
+    reading = parse_answer(host, out)
     return HostReading(
         reading.host, reading.inventory, reading.claims, reading.via, reading.error, elapsed
     )

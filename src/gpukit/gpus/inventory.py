@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
+from gpukit.untrusted import printable
 
 SCHEMA = "gpukit.inventory/1"
 """The ``schema`` field of :meth:`Inventory.to_json`; the number grows when a field changes."""
@@ -291,10 +292,8 @@ def _memory(read: _Reader, handle: Any) -> tuple[int | None, int | None, int | N
     return int(info.total), int(info.used), int(info.free), None
 
 
-def _printable(text: str) -> str:
-    """``text`` with each control character as ``?``: anyone chooses their process's argv,
-    and gpukit list and queue show it on other users' terminals."""
-    return "".join(c if c.isprintable() else "?" for c in text)
+# Anyone chooses their process's argv, and gpukit list and queue show it on others' terminals.
+_COMMAND_LIMIT = 4096
 
 
 def _proc_owner_and_command(pid: int) -> tuple[str | None, str | None]:
@@ -304,7 +303,8 @@ def _proc_owner_and_command(pid: int) -> tuple[str | None, str | None]:
             raw = f.read()
     except OSError:
         return None, None
-    command = _printable(raw.replace(b"\0", b" ").decode(errors="replace").strip()) or None
+    text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    command = printable(text, limit=_COMMAND_LIMIT)
     try:
         import pwd
 
@@ -331,8 +331,8 @@ def _processes(read: _Reader, handle: Any) -> tuple[GpuProcess, ...]:
         user, command = describe(pid)
         if command is None:
             command = _text(read(nvml.nvmlSystemGetProcessName, pid))
-        command = None if command is None else _printable(command)
-        user = None if user is None else _printable(user)
+        command = printable(command, limit=_COMMAND_LIMIT)
+        user = printable(user)
         procs.append(GpuProcess(pid=pid, user=user, command=command, used_memory=memory))
     return tuple(sorted(procs, key=lambda p: -(p.used_memory or 0)))
 

@@ -11,7 +11,11 @@ and content are whatever its creator wrote. Arrival order therefore comes from a
 kernel sets, the ticket's inode change time (``st_ctime_ns``, set when the ticket takes its
 name; ``utime`` can set a file's other times back, never this one), with the name only as a
 tie-break between tickets of the same clock tick. A ticket made after yours comes after yours,
-whatever its name says.
+whatever its name says. Locking a file does not change that time, so a ticket named long ago
+and locked only later would take a place from when it was named; a ticket counts from when it
+became a live waiter instead (:class:`gpukit.gpus.waiting.Ticket`): a waiter holds a shared
+lock on each ticket no one holds when it joins, for as long as it waits, and never waits for
+an earlier-named ticket it did not find live on joining.
 
 Why it cannot be jammed. Entries are opened without following links and without blocking
 (``O_NOFOLLOW | O_NONBLOCK``) and checked with ``fstat``: a regular file with one link. A ticket
@@ -19,8 +23,9 @@ counts only while the process its record names holds its lock (the kernel's lock
 :mod:`gpukit.gpus.flocks`, says who holds it), the file belongs to the record's uid and user,
 and that process runs as the same user. Anything else in the folder (a link, a FIFO, a folder,
 a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
-:attr:`Line.foreign`. Nothing here waits on a file, so ``--timeout`` always holds. A waiter
-that dies (even by SIGKILL) loses its lock with its life: a dead waiter never blocks the line.
+:attr:`Line.foreign` (the first :data:`MOST_FOREIGN` by name; the rest are counted). Nothing
+here waits on a file, so ``--timeout`` always holds. A waiter that dies (even by SIGKILL) loses
+its lock with its life: a dead waiter never blocks the line.
 
 The kernel's lock table names processes as this process's pid namespace sees them, so waiters
 in containers with pid namespaces of their own that share one lock folder do not see each
@@ -35,8 +40,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import fcntl
-import json
-import math
+import heapq
 import os
 import stat
 from dataclasses import asdict, dataclass, replace
@@ -48,13 +52,28 @@ from gpukit.gpus.claims import lock_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.untrusted import (
+    InvalidInput,
+    as_dict,
+    as_float,
+    as_int,
+    as_str,
+    parse_json,
+    printable,
+    read_bounded,
+)
 
-__all__ = ["QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
+__all__ = ["MOST_FOREIGN", "QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
 
 TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
 _SUFFIX = ".ticket"
 _MAX_RECORD = 64 * 1024
+MOST_FOREIGN = 20
+"""How many entries that are no waiter's ticket :func:`read_line` lists (the rest are counted)."""
+_INVALID = "no valid waiter record"
+_MOST_ID = 2**32 - 1  # pids and uids are 32-bit numbers
+_MOST_TIME = 1e18  # seconds: bounded, so that a 400-digit integer is refused, not converted
 _TICKET_MODE = 0o644  # others read it (and lock it shared, to probe); only its owner writes
 
 
@@ -98,6 +117,9 @@ class Line:
 
     waiters: tuple[Waiter, ...] = ()
     foreign: tuple[Foreign, ...] = ()
+    """The first :data:`MOST_FOREIGN` of them by name: a co-user can fill the folder with junk."""
+    foreign_not_listed: int = 0
+    """How many more entries are no waiter's ticket, beyond those in ``foreign``."""
 
 
 def _queue_of(folder: Path | None) -> Path:
@@ -125,23 +147,39 @@ def read_line(folder: Path | None = None) -> Line:
 
 
 def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
+    # Every entry named like a ticket is looked at (skipping some would let junk hide a
+    # waiter); of the others only the first few names are kept, to be shown.
+    others: list[str] = []
+    other_count = 0
     with os.scandir(dir_fd) as entries:
-        listed = sorted((e.name, e.inode()) for e in entries if not e.name.startswith("."))
+        listed = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.name.endswith(_SUFFIX):
+                listed.append((entry.name, entry.inode()))
+                continue
+            other_count += 1
+            others.append(entry.name)
+            if len(others) > 2 * MOST_FOREIGN:
+                others = heapq.nsmallest(MOST_FOREIGN, others)
+    listed.sort()
     # Read after the folder: a ticket is locked before its name appears, so every live ticket
     # listed above is in this table.
     table = exclusive_flocks()
     found: list[Waiter] = []
-    foreign: list[Foreign] = []
+    foreign = [Foreign(name, "not a ticket") for name in heapq.nsmallest(MOST_FOREIGN, others)]
+    foreign_count = other_count
     for name, inode in listed:
-        if not name.endswith(_SUFFIX):
-            foreign.append(Foreign(name, "not a ticket"))
-            continue
+        if len(foreign) > 2 * MOST_FOREIGN:
+            foreign = heapq.nsmallest(MOST_FOREIGN, foreign, key=lambda f: f.name)
         if table is not None and not table.get(inode):
             try:  # lstat: opens nothing, never blocks
                 info: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
             except OSError:
                 info = None
             foreign.append(Foreign(name, _unheld(info)))
+            foreign_count += 1
             mine = info is not None and info.st_uid == os.getuid()
             if tidy and mine and info is not None and stat.S_ISREG(info.st_mode):
                 _remove_if_abandoned(dir_fd, queue, name)
@@ -149,10 +187,16 @@ def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
         waiter = _waiter(dir_fd, queue, name, inode, table)
         if isinstance(waiter, str):
             foreign.append(Foreign(name, waiter))
+            foreign_count += 1
         else:
             found.append(waiter)
     found.sort(key=lambda w: (w.arrived_ns, w.ticket))
-    return Line(tuple(replace(w, position=i + 1) for i, w in enumerate(found)), tuple(foreign))
+    shown = heapq.nsmallest(MOST_FOREIGN, foreign, key=lambda f: f.name)
+    return Line(
+        tuple(replace(w, position=i + 1) for i, w in enumerate(found)),
+        tuple(shown),
+        foreign_count - len(shown),
+    )
 
 
 def _kind(mode: int) -> str:
@@ -196,38 +240,27 @@ def _open_entry(dir_fd: int, queue: Path, name: str) -> int | str:
         return f"cannot be opened ({exc.message})"
 
 
-def _record(data: bytes) -> dict[str, Any] | None:
-    try:
-        raw = json.loads(data.decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    types: dict[str, type | tuple[type, ...]] = {
-        "pid": int,
-        "user": str,
-        "uid": int,
-        "n": int,
-        "criteria": str,
-        "command": str,
-        "since": (int, float),
-    }
-    if not isinstance(raw, dict) or raw.get("schema") != TICKET_SCHEMA:
-        return None
-    for key, kind in types.items():
-        value = raw.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return None
-    try:
-        since = float(raw["since"])  # an int of 400 digits is no time: OverflowError
-    except OverflowError:
-        return None
-    if raw["n"] < 1 or not math.isfinite(since):
-        return None
-    return raw
+def _record(data: bytes) -> dict[str, Any] | str:
+    """The waiter record in ``data``, or why it is none (every field checked by exact type).
 
-
-def _printable(text: str) -> str:
-    """``text`` with each control character as ``?``: a co-user's ticket reaches terminals."""
-    return "".join(c if c.isprintable() else "?" for c in text)
+    A co-user writes this: whatever it holds (deep nesting, huge numbers, wrong types) is a
+    reason, never an exception.
+    """
+    try:
+        raw = as_dict(parse_json(data, limit=_MAX_RECORD), what="the record")
+        if raw.get("schema") != TICKET_SCHEMA:
+            raise InvalidInput(f"not a {TICKET_SCHEMA} record")
+        return {
+            "pid": as_int(raw.get("pid"), low=1, high=_MOST_ID, what="pid"),
+            "user": as_str(raw.get("user"), what="user"),
+            "uid": as_int(raw.get("uid"), high=_MOST_ID, what="uid"),
+            "n": as_int(raw.get("n"), low=1, high=_MOST_ID, what="n"),
+            "criteria": as_str(raw.get("criteria"), limit=_MAX_RECORD, what="criteria"),
+            "command": as_str(raw.get("command"), limit=_MAX_RECORD, what="command"),
+            "since": as_float(raw.get("since"), low=-_MOST_TIME, high=_MOST_TIME, what="since"),
+        }
+    except InvalidInput as exc:
+        return f"{_INVALID}: {exc}"
 
 
 def _waiter(
@@ -240,10 +273,12 @@ def _waiter(
         info = os.fstat(fd)
         if info.st_ino != inode:
             return "replaced while read"
-        data = os.pread(fd, _MAX_RECORD + 1, 0)
-        record = _record(data) if len(data) <= _MAX_RECORD else None
-        if record is None:
-            return "no valid waiter record"
+        try:
+            record = _record(read_bounded(fd, _MAX_RECORD))
+        except InvalidInput as exc:
+            record = f"{_INVALID}: {exc}"
+        if isinstance(record, str):
+            return record
         pid = record["pid"]
         if table is None:  # no kernel lock table: the lock itself says whether anyone holds it
             try:
@@ -269,9 +304,10 @@ def _waiter(
         user=record["user"],
         uid=record["uid"],
         n=record["n"],
-        criteria=_printable(record["criteria"]),
-        command=_printable(record["command"]),
-        since=float(record["since"]),
+        # A co-user's ticket reaches terminals: no control character passes.
+        criteria=printable(record["criteria"], limit=_MAX_RECORD) or "",
+        command=printable(record["command"], limit=_MAX_RECORD) or "",
+        since=record["since"],
         ticket=name,
         arrived_ns=info.st_ctime_ns,
     )

@@ -7,8 +7,10 @@ files root made in advance, leaves a co-user only what any user can do anyway: h
 
 What it does, each step safe to repeat:
 
-1. checks that every parent of the folder is root's and not writable by others (or sticky), so
-   no user can swap the folder later; refuses a folder that exists and is not root's;
+1. checks that every parent of the folder is root's, not writable by others (or sticky) and
+   not a symbolic link, walking from ``/`` one component at a time without following links, so
+   no user can swap the folder or re-point the path later; refuses a folder that exists and
+   is not root's, or is a link;
 2. makes the folder (and its ``queue`` subfolder for the line of waiters) root's, mode 1777:
    every user adds files, only their owners remove them;
 3. creates a lock file, root's and mode 0666, for every GPU and MIG instance NVML reports,
@@ -21,6 +23,8 @@ What it does, each step safe to repeat:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import stat
@@ -38,6 +42,7 @@ from gpukit.gpus.lockfiles import (
     opened_folder,
     owner_name,
 )
+from gpukit.untrusted import printable
 
 QUEUE = "queue"
 """The subfolder of the line of waiters (:mod:`gpukit.gpus.waiting`)."""
@@ -55,31 +60,115 @@ class SetupReport:
     """True when the config file was created or lock_dir was added to it."""
 
 
-def _check_parents(folder: Path) -> None:
-    for parent in folder.parents:
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _check_parent(info: os.stat_result, path: Path) -> None:
+    """Refuse a parent of the lock folder that another user controls."""
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != 0 or (mode & 0o022 and not mode & stat.S_ISVTX):
+        raise LockFolderError(
+            f"Refused to set up a lock folder in {path}: it belongs to "
+            f"{owner_name(info.st_uid)} with mode {mode:04o}, so another user could replace "
+            "the lock folder later.",
+            hint=f"Choose a place only root controls, such as {ADMIN_LOCK_DIR}.",
+        )
+
+
+def _not_a_folder(dir_fd: int, name: str, path: Path, folder: Path) -> LockFolderError:
+    """The error for a component of the path that is a link or no folder."""
+    try:
+        info = os.lstat(name, dir_fd=dir_fd)
+    except OSError:
+        info = None
+    if info is not None and stat.S_ISLNK(info.st_mode):
         try:
-            info = os.stat(parent)
+            target = printable(os.readlink(name, dir_fd=dir_fd)) or "?"
         except OSError:
-            continue  # missing: made below, by root
-        mode = stat.S_IMODE(info.st_mode)
-        if info.st_uid != 0 or (mode & 0o022 and not mode & stat.S_ISVTX):
-            raise LockFolderError(
-                f"Refused to set up a lock folder in {parent}: it belongs to "
-                f"{owner_name(info.st_uid)} with mode {mode:04o}, so another user could replace "
-                "the lock folder later.",
-                hint=f"Choose a place only root controls, such as {ADMIN_LOCK_DIR}.",
-            )
+            target = "?"
+        return LockFolderError(
+            f"Refused to set up the lock folder {folder}: {path} is a symbolic link (to "
+            f"{target}, made by {owner_name(info.st_uid)}), so the path the config names could "
+            "be made to lead to another folder later.",
+            hint="Name the folder by a path without links, such as "
+            f"{ADMIN_LOCK_DIR} (`readlink -f {path}` shows where the link leads; use that "
+            "place only if root owns every folder on the way).",
+        )
+    return LockFolderError(
+        f"Refused to set up the lock folder {folder}: {path} is not a folder.",
+        hint=f"Choose a path whose parents are folders, such as {ADMIN_LOCK_DIR}.",
+    )
+
+
+def _open_component(dir_fd: int, name: str, path: Path, folder: Path, create: bool) -> int | None:
+    """``name`` in ``dir_fd`` opened as a folder without following a link; made (0755) when
+    missing and ``create``, else None."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _not_a_folder(dir_fd, name, path, folder) from None
+        raise
+    made = False
+    with contextlib.suppress(FileExistsError):  # made by someone else meanwhile: checked after
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+        made = True
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _not_a_folder(dir_fd, name, path, folder) from None
+        raise
+    if made and os.fstat(fd).st_uid == 0:
+        os.fchmod(fd, 0o755)  # whatever the umask: every user must reach the folder
+    return fd
+
+
+def _walk_parents(folder: Path, *, create: bool) -> int | None:
+    """The descriptor of ``folder``'s parent, reached from ``/`` one component at a time.
+
+    No component may be a link (each is opened with ``O_NOFOLLOW``, relative to the one
+    before), and each must be root's and not writable by others without the sticky bit: then
+    the path the config names leads to this folder for as long as root keeps it so. A missing
+    component is made, root's and 0755, with ``create``; without it, the walk stops there and
+    returns None, having checked every component that exists.
+    """
+    fd = os.open("/", _DIR_FLAGS)
+    path = Path("/")
+    try:
+        _check_parent(os.fstat(fd), path)
+        for name in folder.parts[1:-1]:
+            path = path / name
+            child = _open_component(fd, name, path, folder, create)
+            os.close(fd)
+            if child is None:
+                return None
+            fd = child
+            _check_parent(os.fstat(fd), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _make_root_folder(folder: Path) -> None:
     """Make ``folder`` (and missing parents, 0755) root's and shared (1777)."""
-    for parent in reversed(folder.parents):
-        if not os.path.lexists(parent):
-            os.mkdir(parent)
-            os.chmod(parent, 0o755)  # whatever the umask: every user must reach the folder
-    if not os.path.lexists(folder):
-        os.mkdir(folder, 0o700)  # not shared until it is root's with the sticky bit
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    parent_fd = _walk_parents(folder, create=True)
+    assert parent_fd is not None
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder.name, 0o700, dir_fd=parent_fd)  # not shared until root's and sticky
+        try:
+            fd = os.open(folder.name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _not_a_folder(parent_fd, folder.name, folder, folder) from None
+            raise
+    finally:
+        os.close(parent_fd)
     try:
         owner = os.fstat(fd).st_uid
         if owner != 0:
@@ -158,9 +247,19 @@ def setup_lock_dir(
             f"{folder} is not an absolute path.", hint=f"Use e.g. {ADMIN_LOCK_DIR}."
         )
     folder = Path(os.path.normpath(folder))
+    if folder == Path("/"):
+        raise LockFolderError("/ cannot be the lock folder.", hint=f"Use e.g. {ADMIN_LOCK_DIR}.")
     config = config_path() if config is None else config
     report = SetupReport(folder, config if write_config else None)
-    _check_parents(folder)
+    try:
+        checked = _walk_parents(folder, create=False)  # refuse before changing anything
+    except OSError as exc:
+        raise LockFolderError(
+            f"Cannot set up the lock folder {folder}: {exc.strerror or exc}.",
+            hint="Check the path and run it again.",
+        ) from exc
+    if checked is not None:
+        os.close(checked)
     config_done = _config_is_set(config, folder) if write_config else True
     try:
         _make_root_folder(folder)

@@ -22,18 +22,13 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpukit.errors import LockFolderError
 from gpukit.gpus.lockfiles import owner_name
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the same parser, before it joined the standard library
-    import tomli as tomllib
+from gpukit.untrusted import InvalidInput, open_regular, parse_toml, read_bounded
 
 LOCK_DIR_VAR = "GPUKIT_LOCK_DIR"
 CONFIG_VAR = "GPUKIT_CONFIG"
@@ -42,6 +37,7 @@ DEFAULT_LOCK_DIR = Path("/tmp/gpukit-locks")
 """Fixed, not ``tempfile.gettempdir()``: ``TMPDIR`` differs between users and jobs."""
 ADMIN_LOCK_DIR = Path("/var/lib/gpukit/locks")
 """Where ``gpukit setup-locks`` puts a lock folder only root controls."""
+_MAX_CONFIG_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -104,36 +100,43 @@ def read_config(path: Path | None = None) -> dict[str, Any]:
     the current user could have written it.
     """
     path = config_path() if path is None else path
+    hint = 'Fix the TOML (e.g. `lock_dir = "/var/lib/gpukit/locks"`).'
     try:
-        with open(path, "rb") as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise LockFolderError(
-                    f"The gpukit config {path} is not a regular file.",
-                    hint=f"Make it a TOML file, or remove it (or set {CONFIG_VAR}).",
-                )
-            if info.st_uid not in (0, os.geteuid()) or info.st_mode & 0o022:
-                raise LockFolderError(
-                    f"Refused the gpukit config {path}: it belongs to {owner_name(info.st_uid)} "
-                    f"with mode {stat.S_IMODE(info.st_mode):04o}, so another user could have "
-                    "written it.",
-                    hint=f"An administrator should make it root's and not writable by others "
-                    f"(`sudo chown root {path}; sudo chmod 644 {path}`).",
-                )
-            config: dict[str, Any] = tomllib.loads(file.read(1024 * 1024).decode())
-            return config
+        # Followed if a link (an administrator's choice of where the file lives), never
+        # blocking on a FIFO, checked to be a regular file before it is read.
+        fd = open_regular(path, follow=True)
     except FileNotFoundError:
         return {}
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except InvalidInput as exc:
         raise LockFolderError(
-            f"Cannot read the gpukit config {path}: {exc}.",
-            hint='Fix the TOML (e.g. `lock_dir = "/var/lib/gpukit/locks"`).',
-        ) from exc
+            f"The gpukit config {path} is {exc}.",
+            hint=f"Make it a TOML file, or remove it (or set {CONFIG_VAR}).",
+        ) from None
     except OSError as exc:
         raise LockFolderError(
             f"Cannot read the gpukit config {path}: {exc.strerror or exc}.",
             hint="An administrator should make it readable by every user (mode 644).",
         ) from exc
+    try:
+        info = os.fstat(fd)
+        if info.st_uid not in (0, os.geteuid()) or info.st_mode & 0o022:
+            raise LockFolderError(
+                f"Refused the gpukit config {path}: it belongs to {owner_name(info.st_uid)} "
+                f"with mode {stat.S_IMODE(info.st_mode):04o}, so another user could have "
+                "written it.",
+                hint=f"An administrator should make it root's and not writable by others "
+                f"(`sudo chown root {path}; sudo chmod 644 {path}`).",
+            )
+        return parse_toml(read_bounded(fd, _MAX_CONFIG_BYTES), limit=_MAX_CONFIG_BYTES)
+    except InvalidInput as exc:
+        raise LockFolderError(f"Cannot read the gpukit config {path}: {exc}.", hint=hint) from None
+    except OSError as exc:
+        raise LockFolderError(
+            f"Cannot read the gpukit config {path}: {exc.strerror or exc}.",
+            hint="An administrator should make it readable by every user (mode 644).",
+        ) from exc
+    finally:
+        os.close(fd)
 
 
 def machine_lock_dir() -> tuple[Path, str]:

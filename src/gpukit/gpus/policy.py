@@ -21,8 +21,10 @@ files to, honouring it would let any co-user stop every claim, so it is ignored 
 
 What a user holds is counted from the kernel's lock table (:mod:`gpukit.gpus.flocks`): each
 claimed GPU counts for the user running the process that holds its lock, whatever the lock
-file's record says. Like claims themselves, limits bind the users of gpukit; they do not stop
-a process that uses a GPU without claiming it.
+file's record says, and each locked file counts once, only as a GPU or MIG instance NVML
+reports, however many names others give it (:func:`holdings`). Like claims themselves,
+limits bind the users of gpukit; they do not stop a process that uses a GPU without claiming
+it.
 
 More limits (hours per week, per group) fit in :class:`Limits` as new keys.
 
@@ -35,22 +37,16 @@ import contextlib
 import os
 import pwd
 import stat
-import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
-from gpukit.errors import LockFolderError, PolicyError
+from gpukit.errors import NoDriverError, NvmlError, PolicyError
 from gpukit.gpus.claims import current_claims, lock_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
-from gpukit.gpus.lockfiles import open_folder, open_lock_file
+from gpukit.gpus.lockfiles import open_folder
 from gpukit.gpus.lockfiles import owner_name as user_name
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the same parser, before it joined the standard library
-    import tomli as tomllib
+from gpukit.untrusted import InvalidInput, open_regular, parse_toml, read_bounded
 
 POLICY_FILE = "policy.toml"
 _MAX_POLICY_BYTES = 64 * 1024
@@ -111,9 +107,10 @@ def _admin_uids(folder_fd: int) -> tuple[int, ...]:
 def _parse(data: bytes, path: Path) -> Limits:
     hint = f"Fix {path}: it holds one table, [limits], e.g. max_gpus_per_user = 2."
     try:
-        table: dict[str, Any] = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise PolicyError(f"Cannot read the policy {path}: {exc}.", hint=hint) from exc
+        # The layer's parser: the standard one recurses on nested arrays and inline tables.
+        table = parse_toml(data, limit=_MAX_POLICY_BYTES)
+    except InvalidInput as exc:
+        raise PolicyError(f"Cannot read the policy {path}: {exc}.", hint=hint) from None
     unknown = sorted(set(table) - {"limits"})
     limits = table.get("limits", {})
     if not isinstance(limits, dict):
@@ -127,12 +124,20 @@ def _parse(data: bytes, path: Path) -> Limits:
             hint=f"Known limits: {', '.join(sorted(known))}. {hint}",
         )
     for key, value in limits.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if type(value) is not int or value < 0:  # not a bool, nor a float that looks whole
             raise PolicyError(
-                f"The policy {path} sets limits.{key} = {value!r}: not a whole number >= 0.",
+                f"The policy {path} sets limits.{key} = {_shown(value)}: not a whole number >= 0.",
                 hint=hint,
             )
     return Limits(**limits)
+
+
+def _shown(value: object) -> str:
+    """A parsed TOML value as the message shows it: short, whatever the file held."""
+    if type(value) in (bool, int, float, str):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return f"a {type(value).__name__}"  # a table, an array, a date: never walked
 
 
 def load_policy(folder: Path | None = None) -> Policy:
@@ -187,40 +192,57 @@ def _load(folder_fd: int, path: Path) -> Policy:
 
 def _read(folder_fd: int, path: Path, seen: os.stat_result) -> bytes:
     try:
-        fd = open_lock_file(path.parent, POLICY_FILE, dir_fd=folder_fd)
-    except (OSError, LockFolderError) as exc:  # gone, or swapped for a link since the lstat
+        fd = open_regular(POLICY_FILE, dir_fd=folder_fd, nlink=True)
+    except (OSError, InvalidInput) as exc:  # gone, or swapped for a link since the lstat
         raise PolicyError(
-            f"Cannot read the policy {path}: {getattr(exc, 'message', None) or exc}.",
+            f"Cannot read the policy {path}: {getattr(exc, 'strerror', None) or exc}.",
             hint="Ask an administrator.",
-        ) from exc
+        ) from None
     try:
         info = os.fstat(fd)
         if (info.st_ino, info.st_dev) != (seen.st_ino, seen.st_dev):
             raise PolicyError(
                 f"The policy {path} was replaced while gpukit read it.", hint="Try again."
             )
-        data = os.read(fd, _MAX_POLICY_BYTES + 1)
+        return read_bounded(fd, _MAX_POLICY_BYTES)
+    except InvalidInput:
+        raise PolicyError(
+            f"The policy {path} is larger than 64 KiB.", hint="Ask an administrator."
+        ) from None
+    except OSError as exc:
+        raise PolicyError(
+            f"Cannot read the policy {path}: {exc.strerror or exc}.", hint="Ask an administrator."
+        ) from None
     finally:
         os.close(fd)
-    if len(data) > _MAX_POLICY_BYTES:
-        raise PolicyError(f"The policy {path} is larger than 64 KiB.", hint="Ask an administrator.")
-    return data
 
 
-def holdings(folder: Path | None = None) -> dict[int, tuple[str, ...]]:
+def holdings(
+    folder: Path | None = None, gpus: Iterable[str] | None = None
+) -> dict[int, tuple[str, ...]]:
     """uid -> the GPU UUIDs claimed now by processes that uid runs, from the kernel's locks.
+
+    Only GPUs and MIG instances count: ``gpus`` are their UUIDs (default: those NVML reports,
+    read only when some lock is held; every ``GPU-``/``MIG-`` name where NVML cannot be read),
+    and each lock file counts once, by its inode: lock files are shared (0666), so anyone can
+    add names for the one a user holds (hard links, under other ``*.lock`` names), and each
+    would otherwise count as one more of that user's GPUs. An inode with several names that
+    are all GPUs counts once, for the first of them.
 
     Where the kernel publishes no lock table, the claims' own records say who holds them.
     """
     folder = lock_dir() if folder is None else Path(folder)
     table = exclusive_flocks()
+    known = None if gpus is None else frozenset(gpus)
     if table is None:
         by_name: dict[int, list[str]] = {}
-        for uuid, holder in current_claims(folder).items():
-            with contextlib.suppress(KeyError, TypeError):
-                by_name.setdefault(pwd.getpwnam(str(holder.user)).pw_uid, []).append(uuid)
+        claims = current_claims(folder)
+        known = _known(known, bool(claims))
+        for uuid, holder in claims.items():
+            if _counts(uuid, known):
+                with contextlib.suppress(KeyError, TypeError):
+                    by_name.setdefault(pwd.getpwnam(str(holder.user)).pw_uid, []).append(uuid)
         return {uid: tuple(sorted(uuids)) for uid, uuids in by_name.items()}
-    held: dict[int, list[str]] = {}
     if not os.path.lexists(folder):
         return {}
     folder_fd = open_folder(folder)
@@ -231,10 +253,36 @@ def holdings(folder: Path | None = None) -> dict[int, tuple[str, ...]]:
         return {}
     finally:
         os.close(folder_fd)
-    for name, inode in locks:
-        if name.startswith("."):
+    names: dict[int, list[str]] = {}  # each locked inode's names, in order
+    for name, inode in sorted(locks):
+        if not name.startswith(".") and inode in table:
+            names.setdefault(inode, []).append(name.removesuffix(".lock"))
+    known = _known(known, bool(names))
+    held: dict[int, list[str]] = {}
+    for inode, uuids in names.items():
+        # Once per inode, whatever names others gave it: as its first name that is a GPU.
+        first = next((u for u in uuids if _counts(u, known)), None)
+        if first is None:
             continue
-        for uid in {process_uid(pid) for pid in table.get(inode, ())} - {None}:
+        for uid in {process_uid(pid) for pid in table[inode]} - {None}:
             assert uid is not None
-            held.setdefault(uid, []).append(name.removesuffix(".lock"))
+            held.setdefault(uid, []).append(first)
     return {uid: tuple(sorted(uuids)) for uid, uuids in held.items()}
+
+
+def _known(given: frozenset[str] | None, needed: bool) -> frozenset[str] | None:
+    """The UUIDs that count: ``given``, else NVML's (None: NVML cannot be read, or not needed)."""
+    if given is not None or not needed:
+        return given
+    from gpukit.gpus.inventory import inventory
+
+    try:
+        inv = inventory()
+    except (NoDriverError, NvmlError):
+        return None
+    return frozenset(u for g in inv.gpus for u in (g.uuid, *(m.uuid for m in g.mig_instances)) if u)
+
+
+def _counts(name: str, known: frozenset[str] | None) -> bool:
+    """True when the lock file's name is one of the ``known`` GPUs (or GPU-like, unknown)."""
+    return name in known if known is not None else name.startswith(("GPU-", "MIG-"))

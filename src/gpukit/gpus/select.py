@@ -42,6 +42,7 @@ __all__ = [
     "choose",
     "claim",
     "current_claims",
+    "format_size",
     "parse_size",
     "pick",
 ]
@@ -73,10 +74,13 @@ def parse_size(value: int | float | str) -> int:
     """Bytes from a number of bytes or a size such as ``"8GiB"``, ``"500MB"``, ``"1.5G"``.
 
     ``KB/MB/GB/TB`` are powers of 1000, ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` powers of
-    1024 (as nvidia-smi's MiB).
+    1024 (as nvidia-smi's MiB). A number without a unit (``20``, ``"20"``) is bytes; as no GPU
+    is chosen by less than a mebibyte of free memory, such a number from 1 byte to 1 MiB warns
+    (``min_free=20`` is most likely meant as ``"20GiB"``). The command line refuses a number
+    without a unit outright.
 
-    >>> parse_size("8GiB"), parse_size("500MB"), parse_size(1024)
-    (8589934592, 500000000, 1024)
+    >>> parse_size("8GiB"), parse_size("500MB"), parse_size(2**20), parse_size("20B")
+    (8589934592, 500000000, 1048576, 20)
     """
     hint = 'Write a number of bytes or a size with a unit, e.g. "8GiB", "500MB".'
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -100,6 +104,14 @@ def parse_size(value: int | float | str) -> int:
             "2**100 bytes).",
             hint='Write a size a GPU can have, e.g. "80GiB".',
         )
+    if unit == "" and 0 < size < 2**20:
+        import warnings
+
+        warnings.warn(
+            f"A size of {value!r} without a unit is read as {format_size(size)}; write "
+            f"'{value}GiB' if you meant gibibytes, or '{value}B' to say bytes.",
+            stacklevel=3,
+        )
     return size
 
 
@@ -108,8 +120,25 @@ def _shown(value: object) -> str:
     return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n % 2**30 else f"{n // 2**30} GiB"
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_size(n: float) -> str:
+    """A number of bytes in the largest binary unit it fills: whole when it is a whole number
+    of that unit, else to one decimal. The one way gpukit writes sizes.
+
+    >>> format_size(512), format_size(20 * 2**10), format_size(3 * 2**29), format_size(2**36)
+    ('512 B', '20 KiB', '1.5 GiB', '64 GiB')
+    """
+    value = float(n)
+    if abs(value) < 1024:
+        return f"{value:.0f} B"
+    for power, unit in enumerate(_BINARY):
+        scaled = value / 1024**power
+        if abs(scaled) < 1023.95 or unit == _BINARY[-1]:
+            whole = float(n).is_integer() and int(n) % 1024**power == 0
+            return f"{int(n) // 1024**power} {unit}" if whole else f"{scaled:.1f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def _processes(gpu: GPU) -> str:
@@ -181,7 +210,7 @@ class Criteria:
         """``'at least 60 GiB free, at most 10% busy'``, for messages."""
         parts = []
         if self.min_free is not None:
-            parts.append(f"at least {_gib(self.min_free)} free")
+            parts.append(f"at least {format_size(self.min_free)} free")
         if self.max_util is not None:
             parts.append(f"at most {self.max_util}% busy")
         limit = self.process_limit
@@ -277,7 +306,7 @@ def _reasons(gpu: GPU, criteria: Criteria, holder: Holder | None) -> list[str]:
         if free is None:
             reasons.append("free memory unknown")
         elif free < criteria.min_free:
-            reasons.append(f"{max(free, 0) / 2**30:.1f} GiB free < {_gib(criteria.min_free)}")
+            reasons.append(f"{format_size(max(free, 0))} free < {format_size(criteria.min_free)}")
     if criteria.max_util is not None:
         util = gpu.utilization_gpu
         if util is not None and util > criteria.max_util:

@@ -16,7 +16,8 @@ What ``gpukit queue`` shows. Never imports torch.
   holds the claim while the command it starts uses the GPU.
 - Idle claims: every GPU of the claim showed no process and 0% utilisation at every reading
   since ``idle_since``. Readings are this user's own, kept in ``<lock folder>/observed-<uid>
-  .json`` by each ``sharing(observe=True)`` call (each ``gpukit queue``); a reading
+  .json`` (``observed-<uid>.<n>.json``, with a warning, when another user took that name) by
+  each ``sharing(observe=True)`` call (each ``gpukit queue``); a reading
   further apart from the previous one than the threshold starts the count again, so a claim is
   called idle only after readings at most one threshold apart, for longer than the threshold.
   Keep ``gpukit queue --watch`` (or a cron job running ``gpukit queue --json``) going to see it.
@@ -25,10 +26,11 @@ What ``gpukit queue`` shows. Never imports torch.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
+import stat
 import uuid as uuid_module
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,10 +41,11 @@ from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.flocks import exclusive_flocks
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Foreign
-from gpukit.gpus.lockfiles import open_lock_file, opened_folder
+from gpukit.gpus.line import Foreign, Line
+from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import Criteria, assess
+from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, printable, read_bounded
 
 SCHEMA = "gpukit.queue/1"
 """The ``schema`` field of :meth:`Sharing.to_json`."""
@@ -78,6 +81,8 @@ class Waiting:
     since: float | None
     reason: str
     """Why it is not served now, e.g. ``'1 of 2 GPUs qualify'`` or ``'behind position 1'``."""
+    command: str | None = None
+    """The command that waits, as its ticket records it, control characters shown as ``?``."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,10 @@ class Sharing:
     """Where the GPU readings came from (``'nvml'`` or ``'fake:<file>'``)."""
     foreign: tuple[Foreign, ...] = ()
     """Entries of the queue folder that are no live waiter's ticket, and why (links, FIFOs,
-    forged or abandoned tickets): what a co-user may have planted there."""
+    forged or abandoned tickets): what a co-user may have planted there. The first
+    :data:`~gpukit.gpus.line.MOST_FOREIGN` by name."""
+    foreign_not_listed: int = 0
+    """How many more such entries the queue folder holds, beyond those in ``foreign``."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict with a ``schema`` field (``gpukit queue --json``)."""
@@ -172,7 +180,7 @@ def _cmdline(pid: int) -> str | None:
     except OSError:
         return None
     text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    return "".join(c if c.isprintable() else "?" for c in text) or None  # no escape sequences
+    return printable(text, limit=4096)  # no escape sequences
 
 
 def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
@@ -324,11 +332,11 @@ def _reasons(
     return reasons
 
 
-def _line(folder: Path) -> tuple[list[dict[str, Any]], tuple[Foreign, ...]]:
-    """The waiters in service order, as dicts of what their tickets say, and the foreign."""
-    fields = ("position", "pid", "user", "uid", "n", "criteria", "since")
+def _line(folder: Path) -> tuple[list[dict[str, Any]], Line]:
+    """The waiters in service order, as dicts of what their tickets say, and the whole line."""
+    fields = ("position", "pid", "user", "uid", "n", "criteria", "command", "since")
     line = waiting.read_line(folder)
-    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line.foreign
+    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line
 
 
 def _waiters(
@@ -348,6 +356,7 @@ def _waiters(
             else None,
             since=entry.get("since"),
             reason=reason,
+            command=printable(entry.get("command"), limit=4096),
         )
         for entry, reason in zip(line, reasons, strict=True)
     ]
@@ -365,36 +374,78 @@ def _claim_key(claim: HeldClaim) -> str:
     return f"{claim.pid}:{claim.since!r}:{','.join(claim.uuids)}"
 
 
-def _observations_name() -> str:
-    return f"observed-{os.geteuid()}.json"
+_OBSERVED_NAMES = 8  # as many names as the ledger tries
+_MAX_OBSERVED = 4 * 2**20
+
+
+def _observations_name(folder: Path, dir_fd: int) -> str | None:
+    """The name of this user's readings: ``observed-<uid>.json``, or, when another user has
+    taken it (any user can add files to the lock folder), the first of ``observed-<uid>.<n>
+    .json`` that is missing or this user's own file, with a warning; None when all are taken.
+    """
+    uid = os.geteuid()
+    taken = []
+    for n in range(_OBSERVED_NAMES):
+        name = f"observed-{uid}.json" if n == 0 else f"observed-{uid}.{n}.json"
+        try:
+            info = os.lstat(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            break
+        except OSError:
+            taken.append(name)
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == uid and info.st_nlink == 1:
+            break
+        taken.append(f"{name} ({owner_name(info.st_uid)}'s)")
+    else:
+        warnings.warn(
+            f"Cannot keep this user's readings of idle claims in {folder}: every name for them is "
+            f"taken ({', '.join(taken)}), so no claim is reported idle. Ask the owner of those "
+            "files (or root) to remove them.",
+            RuntimeWarning,
+            stacklevel=1,  # one place: said once, however often it is read and written
+        )
+        return None
+    if taken:
+        warnings.warn(
+            f"{folder / f'observed-{uid}.json'} is not this user's file: readings of idle "
+            f"claims are kept in {name} instead.",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+    return name
 
 
 def _read_observations(folder: Path) -> dict[str, Any]:
     try:
         with opened_folder(folder) as dir_fd:
-            fd = open_lock_file(folder, _observations_name(), dir_fd=dir_fd)
+            name = _observations_name(folder, dir_fd)
+            if name is None:
+                return {}
+            fd = open_lock_file(folder, name, dir_fd=dir_fd)
     except (OSError, GpukitError):
         return {}
     try:
         if os.fstat(fd).st_uid != os.geteuid():
             return {}  # not ours: a co-user cannot tell us what we saw
-        data = json.loads(os.read(fd, 4 * 2**20))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        return as_dict(parse_json(read_bounded(fd, _MAX_OBSERVED), limit=_MAX_OBSERVED))
+    except (OSError, InvalidInput):
         return {}
     finally:
         os.close(fd)
 
 
 def _write_observations(folder: Path, data: dict[str, Any]) -> None:
-    name = _observations_name()
-    hidden = f".{name}.{uuid_module.uuid4().hex[:8]}"
     with contextlib.suppress(OSError, GpukitError), opened_folder(folder) as dir_fd:
+        name = _observations_name(folder, dir_fd)
+        if name is None:
+            return
+        hidden = f".{name}.{uuid_module.uuid4().hex[:8]}"
         fd = open_lock_file(
             folder, hidden, dir_fd=dir_fd, write=True, create=True, exclusive=True, mode=0o600
         )
         try:
-            os.write(fd, json.dumps(data).encode())
+            os.write(fd, dumps(data).encode())
         finally:
             os.close(fd)
         try:
@@ -451,7 +502,7 @@ def sharing(
     inv = inventory() if inv is None else inv
     # The line first, then the claims: a waiter leaves the line only once it holds its claim,
     # so read in this order, each process that waits or holds shows in one list at least.
-    line, foreign = _line(base)
+    line, read = _line(base)
     claims = current_claims(base)
     held = _holders(claims, inv, base, exclusive_flocks())
     return Sharing(
@@ -462,5 +513,6 @@ def sharing(
         idle=tuple(_idle(base, held, inv, idle_after, observe)),
         idle_after_s=idle_after,
         source=inv.source,
-        foreign=foreign,
+        foreign=read.foreign,
+        foreign_not_listed=read.foreign_not_listed,
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.gpus.claims import current_claims, lock_dir
-from gpukit.gpus.ledger import Run, read_runs
+from gpukit.gpus.ledger import Ledger, Run, read_ledger
 
 SCHEMA = "gpukit.usage/1"
 """The ``schema`` field of :meth:`Usage.to_json`."""
@@ -63,14 +63,21 @@ class Usage:
     since: float | None
     until: float
     users: tuple[UserUsage, ...] = field(default_factory=tuple)
+    skipped_lines: int = 0
+    """Ledger lines left out: no record of their file's owner (:attr:`Ledger.skipped`)."""
+    notes: tuple[str, ...] = ()
+    """What the figures leave out and why (lines skipped, files not read whole), one sentence
+    each."""
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict with a ``schema`` field."""
+        """A JSON-able dict with a ``schema`` field; every number in it is finite."""
         return {
             "schema": SCHEMA,
             "since": self.since,
             "until": self.until,
             "users": [u.to_json() for u in self.users],
+            "skipped_lines": self.skipped_lines,
+            "notes": list(self.notes),
         }
 
 
@@ -81,8 +88,8 @@ def _owner_of_process(pid: int) -> int | None:
         return None
 
 
-def held_runs(folder: Path | None = None) -> list[Run]:
-    """Every claim in the ledger, oldest first, with ``held`` set for those held now.
+def held_ledger(folder: Path | None = None) -> Ledger:
+    """The ledger (:func:`~gpukit.gpus.ledger.read_ledger`) with ``held`` set for claims held now.
 
     A claim counts as held when a lock file names its pid and start, and that pid is alive and
     belongs to the claim's user: lock records are written by whoever holds the lock, so a
@@ -90,11 +97,17 @@ def held_runs(folder: Path | None = None) -> list[Run]:
     """
     base = lock_dir() if folder is None else folder
     live = {(h.pid, h.since) for h in current_claims(base).values() if h.pid is not None}
-    runs = read_runs(base, live)
-    return [
+    ledger = read_ledger(base, live)
+    runs = tuple(
         replace(r, held=False) if r.held and _owner_of_process(r.pid or -1) != r.uid else r
-        for r in runs
-    ]
+        for r in ledger.runs
+    )
+    return replace(ledger, runs=runs)
+
+
+def held_runs(folder: Path | None = None) -> list[Run]:
+    """Every claim in the ledger, oldest first, with ``held`` set for those held now."""
+    return list(held_ledger(folder).runs)
 
 
 def usage(
@@ -107,7 +120,8 @@ def usage(
     now = time.time() if until is None else until
     start = float("-inf") if since is None else since
     totals: dict[int, dict[str, Any]] = {}
-    for run in held_runs(folder):
+    ledger = held_ledger(folder)
+    for run in ledger.runs:
         end = now if run.held else run.end
         if run.start > now or (end is not None and end < start):
             continue
@@ -138,4 +152,10 @@ def usage(
         for uid, e in totals.items()
     ]
     users.sort(key=lambda u: (-u.gpu_seconds, u.user))
-    return Usage(since=since, until=now, users=tuple(users))
+    return Usage(
+        since=since,
+        until=now,
+        users=tuple(users),
+        skipped_lines=ledger.skipped,
+        notes=ledger.notes,
+    )

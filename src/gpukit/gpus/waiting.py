@@ -42,18 +42,28 @@ from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
 from gpukit.gpus.policy import Limits, Policy, holdings
 from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
+from gpukit.untrusted import InvalidInput, open_regular
 
 __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
 
 # The line ignores a ticket whose record is over 64 KiB: a long command is cut, so that its
 # waiter keeps its place (JSON writes a character in up to 12 bytes: 4096 of them fit).
 _MAX_COMMAND = 4096
+# How many tickets no live waiter holds a waiter keeps from coming alive (one descriptor each).
+_MOST_PINS = 64
 
 
 class Ticket:
     """This process's place in the line of waiters; :meth:`close` leaves the line.
 
     ``n``, ``criteria`` and ``command`` are recorded in the ticket for ``gpukit queue``.
+
+    A ticket counts from when it became a live waiter, not from when it was named. A file can
+    be named long before its creator locks it (which leaves its change time as it was), so on
+    joining, this waiter holds a shared lock on every ticket-named file no live waiter holds,
+    for as long as it waits: none of them can come alive in front of it. And it remembers the
+    waiters it found live when it joined: an earlier-named ticket it did not find live then
+    never counts as ahead of it (:meth:`waiters_ahead`), however it came alive since.
     """
 
     def __init__(
@@ -83,6 +93,8 @@ class Ticket:
         # a co-user who opened it first could hold a shared lock on it and block ours forever.
         hidden = f".{name}"
         self._fd: int | None = None
+        self._pins: dict[int, int] = {}  # inode -> descriptor holding a shared lock on it
+        self._joined: frozenset[tuple[str, int]] = frozenset()
         try:
             self._fd = open_lock_file(
                 self.queue,
@@ -97,6 +109,7 @@ class Ticket:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.write(self._fd, json.dumps(record).encode())
                 os.fchmod(self._fd, _TICKET_MODE)
+                self._pin_dormant()  # before the name appears: a watcher cannot race it
                 os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
             except OSError as exc:  # a full disk, a quota
                 raise LockFolderError(
@@ -113,7 +126,48 @@ class Ticket:
         self.name = name
         self.path = self.queue / name
         # The key others order this ticket by, read once it has its name (the rename set it).
-        self.arrived_ns = os.fstat(self._fd).st_ctime_ns
+        try:
+            self.arrived_ns = os.fstat(self._fd).st_ctime_ns
+            self._pin_dormant()  # those named while this one took its name
+            first = _read(self._dir, self.queue)
+        except BaseException:
+            self.close()
+            raise
+        self._joined = frozenset((w.ticket, w.arrived_ns) for w in first.waiters)
+
+    def _pin_dormant(self) -> None:
+        """Hold a shared lock on each ticket-named file that no process holds exclusively.
+
+        An honest waiter locks its ticket before naming it, so this never stands in its way;
+        what it stops is a file named earlier, unlocked, being locked later to take the
+        place its name and change time would give it. At most ``_MOST_PINS`` are held; past
+        that, :meth:`waiters_ahead` alone keeps them behind this waiter.
+        """
+        assert self._dir is not None
+        try:
+            with os.scandir(self._dir) as entries:
+                names = sorted(
+                    (e.name, e.inode())
+                    for e in entries
+                    if e.name.endswith(_SUFFIX) and not e.name.startswith(".")
+                )
+        except OSError:
+            return
+        for name, inode in names:
+            if len(self._pins) >= _MOST_PINS:
+                return
+            if inode in self._pins:
+                continue
+            try:  # no retry on a file it may not read: each try must cost one open
+                fd = open_regular(name, dir_fd=self._dir, nlink=True)
+            except (OSError, InvalidInput):
+                continue  # gone, unreadable, a link, a FIFO...: no ticket, now or later
+            try:
+                # Granted only when nobody holds it exclusively: no live waiter.
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                self._pins[os.fstat(fd).st_ino] = fd
+            except OSError:
+                os.close(fd)
 
     def line(self) -> Line:
         """The line as it stands now; tidies away this user's tickets whose waiters died."""
@@ -122,9 +176,21 @@ class Ticket:
         return _read(self._dir, self.queue, tidy=True)
 
     def waiters_ahead(self, line: Line) -> list[Waiter]:
-        """The waiters of ``line`` that arrived before this one."""
+        """The waiters of ``line`` that were live waiters before this one joined.
+
+        Ordered by the kernel's change time (then the name), as everyone orders the line; but
+        a ticket changed before this one took its name counts only if this waiter found it
+        live on joining. Two honest waiters agree: each one's ticket is live from the moment
+        it is named, so the later always finds the earlier live, and the earlier's key is
+        smaller; tickets named in the same clock tick are ordered by name, by both.
+        """
         mine = (self.arrived_ns, self.name)
-        return [w for w in line.waiters if (w.arrived_ns, w.ticket) < mine]
+        return [
+            w
+            for w in line.waiters
+            if (w.arrived_ns, w.ticket) < mine
+            and (w.arrived_ns >= self.arrived_ns or (w.ticket, w.arrived_ns) in self._joined)
+        ]
 
     def ahead(self) -> int:
         """How many live waiters arrived before this one."""
@@ -132,6 +198,8 @@ class Ticket:
 
     def close(self) -> None:
         """Leave the line. Safe to call twice."""
+        while self._pins:
+            os.close(self._pins.popitem()[1])
         if self._fd is not None:
             if self._dir is not None and hasattr(self, "name"):
                 with contextlib.suppress(OSError):
