@@ -612,3 +612,15 @@ def test_any_value_in_any_dcp_metadata_field_loads_or_is_one_checkpoint_error(
     _write_metadata(folder, metadata)
     with suppress(CheckpointError):
         gk.load(_linear(), folder, strict=False)
+
+
+def test_a_dcp_tensor_entry_pointing_at_the_wrong_bytes_is_one_checkpoint_error(tmp_path: Path):
+    folder = _dcp_save(tmp_path / "dcp")
+    metadata = _metadata(folder)
+    _storage_of(metadata, "model.weight").offset += 1  # still inside the file, not a tensor
+    _write_metadata(folder, metadata)
+    model = _linear(0.0)
+    unreadable = r"cannot be read as a DCP checkpoint \(UnpicklingError"
+    with pytest.raises(CheckpointError, match=unreadable):
+        gk.load(model, folder)
+    assert torch.all(model.weight == 0)

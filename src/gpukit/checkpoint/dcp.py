@@ -477,6 +477,7 @@ class DcpFolder:
 
     def read_into(self, targets: Mapping[str, list[torch.Tensor]], *, trust: bool) -> None:
         """Copy each tensor entry into its targets, through torch's DCP planner, in place."""
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         first = {key: tensors[0].detach() for key, tensors in targets.items() if tensors}
@@ -488,12 +489,11 @@ class DcpFolder:
                 dcp_load(first, storage_reader=reader, no_dist=True)
             except CheckpointError:
                 raise
-            except Exception as exc:  # torch wraps reader errors in CheckpointException
+            except (Exception, CheckpointException) as exc:  # torch wraps reader errors
                 if reader.refused:
                     raise reader.refused[0] from None
                 raise CheckpointError(
-                    f"{self.folder} cannot be read as a DCP checkpoint "
-                    f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}).",
+                    f"{self.folder} cannot be read as a DCP checkpoint ({_reason(exc)}).",
                     hint="A data file is probably truncated or corrupted; copy the folder again.",
                 ) from None
             for tensors in targets.values():
@@ -546,6 +546,20 @@ class DcpFolder:
             except Exception:  # whatever torch's readers raise on damaged bytes
                 raise _damaged_entry(path, index.fqn) from None
         return objects
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in a few words: the first failure a CheckpointException wraps."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))  # (exception, traceback) per rank
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            exc = inner[0]
+    first = (str(exc).split(". ")[0].splitlines() or [""])[0]
+    return (
+        untrusted.printable(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+        or "?"
+    )
 
 
 def _damaged_entry(path: Path, key: str) -> CheckpointError:
