@@ -252,6 +252,18 @@ def _huge_tensor(metadata: Any) -> None:
     item.chunks[0].sizes = torch.Size([2**40, 2**40])
 
 
+def _huge_compressed_tensor(metadata: Any) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    item = metadata.state_dict_metadata["model.weight"]
+    item.size = item.chunks[0].sizes = torch.Size([2**61])
+    item.chunks[0].offsets = torch.Size([0])
+    key = next(index for index in metadata.storage_data if index.fqn == "model.weight")
+    info = metadata.storage_data.pop(key)
+    info.transform_descriptors = ["stream.zstd"]  # compressed: its length bounds nothing
+    metadata.storage_data[MetadataIndex("model.weight", [0])] = info
+
+
 def _bytes_at_minus_100(metadata: Any) -> None:
     _storage_of(metadata, "step").offset = -100
 
@@ -290,6 +302,7 @@ MALFORMED: dict[str, Callable[[Path], Path]] = {
         lambda m: setattr(m, "state_dict_metadata", [1])
     ),
     "DCP tensor 2**40 x 2**40": _dcp_changed(_huge_tensor),
+    "DCP compressed tensor of 2**61 floats": _dcp_changed(_huge_compressed_tensor),
     "DCP bytes entry at offset -100": _dcp_changed(_bytes_at_minus_100),
     "DCP storage_data None": _dcp_changed(lambda m: setattr(m, "storage_data", None)),
     "DCP planner paths that disagree": _dcp_changed(_paths_that_disagree),

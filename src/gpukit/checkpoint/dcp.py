@@ -270,7 +270,8 @@ def _tensor_entry(value: object, what: str) -> Any:
     got = _fields(value, TensorStorageMetadata, what)
     properties = _properties(got.get("properties"), what)
     size = _sizes(got.get("size"), f"{what}'s size")
-    _numel(size, what)
+    if _numel(size, what) * properties.dtype.itemsize > _MAX_ELEMENTS:
+        raise InvalidInput(f"{what} has more bytes than any tensor can")
     chunks = []
     for chunk in untrusted.as_list(got.get("chunks"), limit=_MAX_CHUNKS, what=f"{what}'s chunks"):
         parts = _fields(chunk, ChunkStorageMetadata, f"a chunk of {what}")
@@ -508,11 +509,18 @@ class DcpFolder:
         """
         wanted = [k for k in self.metadata.state_dict_metadata if self.path_of(k)[0] != skip]
         shapes = self.tensors
-        tensors = {
-            key: torch.empty(shapes[key][0], dtype=shapes[key][1])
-            for key in wanted
-            if key in shapes
-        }
+        try:
+            tensors = {
+                key: torch.empty(shapes[key][0], dtype=shapes[key][1])
+                for key in wanted
+                if key in shapes
+            }
+        except (RuntimeError, MemoryError):  # sizes are checked; memory may still lack
+            raise CheckpointError(
+                f"{self.folder} does not fit in memory: its tensors need "
+                f"{sum(_bytes_of(*shapes[k]) for k in wanted if k in shapes)} bytes.",
+                hint="Free some memory, or read it on a machine with more.",
+            ) from None
         if tensors:
             self.read_into({key: [value] for key, value in tensors.items()}, trust=trust)
         flat: dict[str, Any] = dict(tensors)
@@ -546,6 +554,13 @@ class DcpFolder:
             except Exception:  # whatever torch's readers raise on damaged bytes
                 raise _damaged_entry(path, index.fqn) from None
         return objects
+
+
+def _bytes_of(shape: list[int], dtype: torch.dtype) -> int:
+    count = dtype.itemsize
+    for n in shape:
+        count *= n
+    return count
 
 
 def _reason(exc: BaseException) -> str:
