@@ -153,7 +153,7 @@ def _disguised_bytes(obj: _PathPrintingAs) -> bytes:
 
 
 class _EnumsAsGetattr(pickle.Pickler):
-    """Pickles enum members as Python 3.11.0 to 3.11.4 do: builtins.getattr(cls, name)."""
+    """Pickles enum members as early Python 3.11 releases do: builtins.getattr(cls, name)."""
 
     def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, Enum):

@@ -67,7 +67,7 @@ _DCP_CLASSES = {
 def _enum_member(cls: object, name: object) -> Enum:
     """``getattr(cls, name)`` for the one use pickle makes of it: an allowed enum's member.
 
-    Python 3.11.0 to 3.11.4 (Debian 12's python3 among them) pickle an enum member as
+    Early Python 3.11 releases (3.11.2, Debian 12's python3, among them) pickle an enum member as
     ``builtins.getattr(<enum class>, "<name>")``; any other attribute of any other object is
     refused, since getattr of an allowed class could hand pickle one of its methods to call.
     """
