@@ -637,3 +637,17 @@ def test_a_dcp_tensor_entry_pointing_at_the_wrong_bytes_is_one_checkpoint_error(
     with pytest.raises(CheckpointError, match=unreadable):
         gk.load(model, folder)
     assert torch.all(model.weight == 0)
+
+
+def test_metadata_recorded_in_a_file_reaches_the_terminal_without_control_characters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    from gpukit.cli.main import main
+
+    path = tmp_path / "model.safetensors"
+    info = {"gpukit_version": "1\x1b]0;owned\x07", "metadata": {"note": "\x1b[2Jcleared"}}
+    save_file(_linear().state_dict(), path, metadata={"gpukit": json.dumps(info)})
+    assert main(["ckpt", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "?[2Jcleared" in out

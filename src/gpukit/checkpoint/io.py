@@ -273,9 +273,29 @@ def _checked_info(found: dict[Any, Any]) -> dict[str, Any]:
     tied = info.pop("tied", None)
     if type(tied) is dict and all(type(k) is str and type(v) is str for k, v in tied.items()):
         info["tied"] = tied
-    if type(info.get("metadata")) is not dict:
+    if type(info.get("metadata")) is dict:
+        info["metadata"] = _printable_tree(info["metadata"], 0)
+    else:
         info.pop("metadata", None)
     return info
+
+
+def _printable_tree(value: Any, depth: int) -> Any:
+    """The user metadata gk.save recorded, every string printable (it reaches terminals),
+    nested at most :data:`~gpukit.untrusted.DEPTH` deep, plain JSON types only."""
+    if type(value) is str:
+        return untrusted.printable(value, limit=1000) or ""
+    if depth >= untrusted.DEPTH:
+        return None
+    if type(value) is dict:
+        return {
+            untrusted.printable(k, limit=200) or "?": _printable_tree(v, depth + 1)
+            for k, v in value.items()
+            if type(k) is str
+        }
+    if type(value) is list:
+        return [_printable_tree(v, depth + 1) for v in value]
+    return value if type(value) in (int, float, bool) or value is None else None
 
 
 def read(
