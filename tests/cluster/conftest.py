@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 WORKLOADS = ROOT / "tests" / "distributed_scripts"
 TRAIN = SCRIPTS / "train.py"
+RESUME = SCRIPTS / "resume.py"
 NO_DRIVER = ROOT / "tests" / "fixtures" / "machines" / "no-driver.json"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -108,6 +109,12 @@ def single_weights(cluster_folder: Path) -> list[float]:
     assert (result["world_size"], result["source"]) == (1, None)
     weights: list[float] = result["weights"]
     return weights
+
+
+def assert_ok(done: subprocess.CompletedProcess[str], output: Path | None = None) -> None:
+    """The command (and the job whose output is ``output``) ended well; else say how."""
+    text = output.read_text(errors="replace")[-3000:] if output and output.exists() else ""
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:], text)
 
 
 def read_results(out: Path) -> list[dict[str, Any]]:

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import TRAIN, assert_one_training, job_env, read_results
+from tests.cluster.conftest import (
+    RESUME,
+    TRAIN,
+    assert_ok,
+    assert_one_training,
+    job_env,
+    read_results,
+)
 from tests.cluster.slurm import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-
-def _ok(done: object) -> None:
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])  # type: ignore[attr-defined]
 
 
 def test_srun_n2_trains_like_one_process(
     one_node: Cluster, single_weights: list[float], tmp_path: Path
 ) -> None:
     done = one_node.run("srun", "-n2", sys.executable, str(TRAIN), str(tmp_path), env=job_env())
-    _ok(done)
+    assert_ok(done)
     results = assert_one_training(tmp_path, 2, single_weights)
     assert [r["local_rank"] for r in results] == [0, 1]
     assert {r["backend"] for r in results} == {"gloo"}
@@ -43,7 +47,7 @@ def test_sbatch_script_is_one_process_and_its_srun_trains_like_one(
     )
     output = tmp_path / "job.out"
     done = one_node.run("sbatch", "--wait", f"--output={output}", str(script), env=job_env())
-    _ok(done)
+    assert_ok(done)
     assert "job done" in output.read_text()
     assert_one_training(alone, 1, single_weights, source=None)
     assert_one_training(together, 2, single_weights)
@@ -64,7 +68,7 @@ def test_salloc_shell_and_an_interactive_step_are_one_process(
         f"python {TRAIN} {shell} && script -qec {inner!r} /dev/null",
         env=job_env(),
     )  # fmt: skip
-    _ok(done)
+    assert_ok(done)
     assert_one_training(shell, 1, single_weights, source=None)
     assert_one_training(step, 1, single_weights, source=None)
 
@@ -78,7 +82,42 @@ def test_srun_one_task_running_gpukit_run_ddp_trains_like_one_process(
         "python", str(TRAIN), str(tmp_path),
         env=job_env(),
     )  # fmt: skip
-    _ok(done)
+    assert_ok(done)
     results = assert_one_training(tmp_path, 2, single_weights, source="torchrun")
     assert {r["host"] for r in results} == {"node0"}
     assert len(read_results(tmp_path)) == 2
+
+
+def _state(cluster: Cluster, job: str) -> str:
+    shown = cluster.run("scontrol", "show", "job", "-o", job, timeout=30).stdout
+    return next((f.partition("=")[2] for f in shown.split() if f.startswith("JobState=")), "?")
+
+
+def _until(what: str, check: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f}s"
+        time.sleep(0.5)
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint_and_trains_like_one_process(
+    one_node: Cluster, single_weights: list[float], tmp_path: Path
+) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\nsrun python {RESUME} {tmp_path}\n")
+    output = tmp_path / "job.out"
+    submitted = one_node.run(
+        "sbatch", "--parsable", "--requeue", "-n2", f"--output={output}", str(script),
+        env=job_env(),
+    )  # fmt: skip
+    assert_ok(submitted)
+    job = submitted.stdout.strip().split(";")[0]
+    _until("the first epoch's checkpoint", (tmp_path / "checkpointed").exists, 180)
+    assert read_results(tmp_path) == []
+    assert_ok(one_node.run("scontrol", "requeue", job))
+    # Slurm holds a requeued job for two minutes (its begin time): let it start now.
+    _until("the requeued job pending", lambda: _state(one_node, job) == "PENDING", 60)
+    assert_ok(one_node.run("scontrol", "update", f"JobId={job}", "StartTime=now"))
+    _until("the requeued job's end", lambda: _state(one_node, job) in ("COMPLETED", "FAILED"), 240)
+    assert _state(one_node, job) == "COMPLETED", output.read_text()[-3000:]
+    assert_one_training(tmp_path, 2, single_weights)
