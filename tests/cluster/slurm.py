@@ -372,6 +372,29 @@ class Cluster:
             return subprocess.CompletedProcess(proc.args, 124, out, err)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
+    def job_state(self, job: str) -> str:
+        """A job's state as ``scontrol show job`` says it (``COMPLETED``, ``PENDING``...)."""
+        shown = self._call("scontrol", "show", "job", "-o", job).stdout
+        return next((f.partition("=")[2] for f in shown.split() if f.startswith("JobState=")), "?")
+
+    def batch(
+        self, script: Path, *options: str, env: dict[str, str] | None = None, timeout: float = 180
+    ) -> str:
+        """Submit ``script`` with sbatch, wait for the job's end (polling, not sbatch --wait,
+        which checks less and less often), and return its final state."""
+        done = self.run("sbatch", "--parsable", *options, str(script), env=env)
+        if done.returncode != 0:
+            return f"not submitted: {done.stderr.strip()}"
+        job = done.stdout.strip().split(";")[0]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.job_state(job)
+            if state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED"):
+                return state
+            time.sleep(0.3)
+        self.cancel_all()
+        return f"still {self.job_state(job)} after {timeout:.0f}s"
+
     def cancel_all(self) -> None:
         """Cancel every job, so that a failed test leaves nothing running for the next."""
         self._call("scancel", "--full", "--user=root")

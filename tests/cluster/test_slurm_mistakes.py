@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import TRAIN, assert_ok, assert_one_training, job_env, read_results
+from tests.cluster.conftest import TRAIN, assert_one_training, job_env, read_results
 from tests.cluster.slurm import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -54,7 +54,7 @@ def test_two_steps_of_one_job_at_once_train_apart(
         "wait -n && wait -n\n"
     )
     output = tmp_path / "job.out"
-    done = one_node.run("sbatch", "-n4", "--wait", f"--output={output}", str(script), env=job_env())
-    assert_ok(done, output)
+    state = one_node.batch(script, "-n4", f"--output={output}", env=job_env())
+    assert state == "COMPLETED", output.read_text()[-3000:]
     assert_one_training(first, 2, single_weights)
     assert_one_training(second, 2, single_weights)

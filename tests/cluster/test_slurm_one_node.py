@@ -46,8 +46,8 @@ def test_sbatch_script_is_one_process_and_its_srun_trains_like_one(
         "echo job done\n"
     )
     output = tmp_path / "job.out"
-    done = one_node.run("sbatch", "--wait", f"--output={output}", str(script), env=job_env())
-    assert_ok(done)
+    state = one_node.batch(script, f"--output={output}", env=job_env())
+    assert state == "COMPLETED", output.read_text()[-3000:]
     assert "job done" in output.read_text()
     assert_one_training(alone, 1, single_weights, source=None)
     assert_one_training(together, 2, single_weights)
@@ -88,11 +88,6 @@ def test_srun_one_task_running_gpukit_run_ddp_trains_like_one_process(
     assert len(read_results(tmp_path)) == 2
 
 
-def _state(cluster: Cluster, job: str) -> str:
-    shown = cluster.run("scontrol", "show", "job", "-o", job, timeout=30).stdout
-    return next((f.partition("=")[2] for f in shown.split() if f.startswith("JobState=")), "?")
-
-
 def _until(what: str, check: object, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not check():  # type: ignore[operator]
@@ -107,7 +102,8 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_trains_like_one_process(
     script.write_text(f"#!/bin/bash\nsrun python {RESUME} {tmp_path}\n")
     output = tmp_path / "job.out"
     submitted = one_node.run(
-        "sbatch", "--parsable", "--requeue", "-n2", f"--output={output}", str(script),
+        "sbatch", "--parsable", "--requeue", "--open-mode=append", "-n2", f"--output={output}",
+        str(script),
         env=job_env(),
     )  # fmt: skip
     assert_ok(submitted)
@@ -116,8 +112,10 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_trains_like_one_process(
     assert read_results(tmp_path) == []
     assert_ok(one_node.run("scontrol", "requeue", job))
     # Slurm holds a requeued job for two minutes (its begin time): let it start now.
-    _until("the requeued job pending", lambda: _state(one_node, job) == "PENDING", 60)
+    _until("the requeued job pending", lambda: one_node.job_state(job) == "PENDING", 60)
     assert_ok(one_node.run("scontrol", "update", f"JobId={job}", "StartTime=now"))
-    _until("the requeued job's end", lambda: _state(one_node, job) in ("COMPLETED", "FAILED"), 240)
-    assert _state(one_node, job) == "COMPLETED", output.read_text()[-3000:]
+    _until(
+        "the requeued job's end", lambda: one_node.job_state(job) in ("COMPLETED", "FAILED"), 240
+    )
+    assert one_node.job_state(job) == "COMPLETED", output.read_text(errors="replace")[-3000:]
     assert_one_training(tmp_path, 2, single_weights)

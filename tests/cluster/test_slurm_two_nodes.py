@@ -62,10 +62,8 @@ def test_mpirun_inside_a_two_node_allocation_trains_like_one_process(
         f"-x OMP_NUM_THREADS python {TRAIN} {tmp_path}\n"
     )
     output = tmp_path / "job.out"
-    done = two_nodes.run(
-        "sbatch", "-N2", "-n2", "--wait", f"--output={output}", str(script), env=job_env()
-    )
-    assert_ok(done, output)
+    state = two_nodes.batch(script, "-N2", "-n2", f"--output={output}", env=job_env())
+    assert state == "COMPLETED", output.read_text()[-3000:]
     results = assert_one_training(tmp_path, 2, single_weights, source="mpi")
     assert [r["host"] for r in results] == ["n1", "n2"]
 
