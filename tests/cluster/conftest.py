@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -53,8 +55,18 @@ def cluster_folder() -> Iterator[Path]:
     if reason:
         pytest.skip(reason)
     folder = Path(tempfile.mkdtemp(prefix="gpukit-slurm-"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    # A test run told to stop (SIGTERM: a CI timeout, `kill`) stops as after Ctrl-C, so that
+    # the fixtures' teardown stops the daemons.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield folder
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ skip with that reason.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -70,6 +71,16 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
             proc.wait(timeout=grace)
 
 
+def _dies_with_us() -> None:
+    """Between fork and exec: a session of its own, and SIGKILL when the test run dies.
+
+    A test run killed outright (SIGKILL, a CI timeout) runs no teardown: the kernel's
+    parent-death signal then stops the daemons and the namespaces' holders all the same.
+    """
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _net_ns(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/net")
@@ -106,7 +117,10 @@ class Node:
     def start(self, *cmd: str, log: Path) -> subprocess.Popen[bytes]:
         with log.open("ab") as out:
             proc = subprocess.Popen(
-                [*self.enter(), *cmd], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                [*self.enter(), *cmd],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_dies_with_us,
             )
         self.daemons.append(proc)
         return proc
@@ -146,7 +160,7 @@ class Munge:
             command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            preexec_fn=_dies_with_us,
         )
         try:
             _wait_for("munged", lambda: self.socket.exists() or self.proc.poll() is not None, 15)
@@ -283,7 +297,7 @@ class Cluster:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=True,
+            preexec_fn=_dies_with_us,
         )
         mine = _net_ns(os.getpid())
         _wait_for(
