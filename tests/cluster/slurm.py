@@ -247,8 +247,8 @@ class Cluster:
                 nodes="\n".join(lines),
             )
         )
-        # No cgroup plugin is used; an empty cgroup.conf keeps slurmd from reading the system's.
-        (folder / "cgroup.conf").write_text("")
+        # No cgroup.conf: with proctrack/linuxproc and task/none, slurmd 22.05 loads no cgroup
+        # plugin and reads none.
         hosts = folder / "hosts"
         hosts.write_text(
             "127.0.0.1 localhost\n"

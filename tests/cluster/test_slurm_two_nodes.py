@@ -48,7 +48,7 @@ def test_srun_one_task_per_node_running_gpukit_run_ddp_trains_like_one_process(
     assert_ok(done)
     results = assert_one_training(tmp_path, 4, single_weights, source="torchrun")
     assert [r["host"] for r in results] == ["n1", "n1", "n2", "n2"]
-    assert "--node-rank" not in done.stderr  # torchrun warns when given one it ignores
+    assert "node_rank is only used for static" not in done.stderr  # torchrun warned: ignored
 
 
 def test_mpirun_inside_a_two_node_allocation_trains_like_one_process(
