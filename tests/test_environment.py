@@ -213,20 +213,21 @@ def test_init_refuses_a_local_rank_beyond_the_visible_gpus_before_any_rendezvous
 
 
 def test_torchrun_args_under_srun_one_task_per_node_join_the_jobs_first_node() -> None:
+    # Job 4242's step 1: 15000 + (4242 + 7919 * 1) mod 15000. No --node-rank: the c10d
+    # rendezvous numbers the nodes, and torchrun warns that it ignores one given.
     assert dist.torchrun_args(4, fixture("srun-task-per-node-gpukit-run")) == [
         "--nnodes=2",
-        "--node-rank=1",
         "--nproc-per-node=4",
         "--rdzv-backend=c10d",
-        "--rdzv-endpoint=rack1-gpu07:19242",
+        "--rdzv-endpoint=rack1-gpu07:27161",
         "--rdzv-id=4242.1",
     ]
 
 
 def test_torchrun_args_under_skypilot_use_the_first_node_ip() -> None:
     args = dist.torchrun_args(4, fixture("skypilot"))
-    assert args[:3] == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=4"]
-    assert args[4].startswith("--rdzv-endpoint=10.0.0.5:")
+    assert args[:2] == ["--nnodes=2", "--nproc-per-node=4"]
+    assert args[3].startswith("--rdzv-endpoint=10.0.0.5:")
 
 
 def test_torchrun_args_without_a_multi_node_job_are_standalone() -> None:
@@ -360,4 +361,4 @@ def test_gpukit_run_ddp_under_srun_one_task_per_node_joins_the_jobs_rendezvous(
         *dist.torchrun_args(4, fixture("srun-task-per-node-gpukit-run")),
         "train.py",
     ]
-    assert "--rdzv-endpoint=rack1-gpu07:19242" in argv
+    assert "--rdzv-endpoint=rack1-gpu07:27161" in argv

@@ -24,7 +24,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gpukit.cli._args import Number, Seconds
 from gpukit.cli._criteria import add_criteria, criteria_from, excluded
@@ -78,6 +78,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "job (one task per node), join the job's other nodes",
     )
     launch.add_argument(
+        "--torchrun-arg",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="with --ddp, give torchrun the option OPT, after gpukit's own (so it wins); "
+        "repeat it, one option each, written --name=value: --torchrun-arg=--max-restarts=3 "
+        "--torchrun-arg=--nnodes=1:4. With restarts, gpukit sets "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which they fail",
+    )
+    launch.add_argument(
         "--cpu-ok",
         action="store_true",
         help="without an NVIDIA driver, run CMD on the CPU (CUDA_VISIBLE_DEVICES='') instead "
@@ -97,7 +107,48 @@ def _command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def ddp_command(cmd: Sequence[str], nproc: int) -> list[str]:
+# torchrun's options that gpukit decides: the processes are the GPUs it claimed (-n).
+_GPUKIT_DECIDES = ("--nproc-per-node", "--nproc_per_node")
+_RESTARTS = ("--max-restarts", "--max_restarts")
+RESTART_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set for torchrun when restarts are asked for: with the rendezvous's TCP store shared with
+the workers (torch's default), a restarted gloo group fails or hangs."""
+
+
+def _check_torchrun_options(options: Sequence[str]) -> None:
+    for option in options:
+        name = option.partition("=")[0]
+        if not option.startswith("-"):
+            raise InvalidArgumentError(
+                f"--torchrun-arg={option!r} is not a torchrun option.",
+                hint="Give one option each, with its value after '=': "
+                "--torchrun-arg=--max-restarts=3; the command goes after `--`.",
+            )
+        if name in _GPUKIT_DECIDES:
+            raise InvalidArgumentError(
+                f"--torchrun-arg={option}: gpukit starts one process per GPU it claims.",
+                hint="Ask for the GPUs with -n N instead: gpukit run --ddp -n N -- train.py",
+            )
+
+
+def _restarts(options: Sequence[str], env: Mapping[str, str]) -> bool:
+    """True when torchrun is asked to restart failed workers (``--max-restarts``, ``$PET_``)."""
+    asked = env.get("PET_MAX_RESTARTS", "")
+    for i, option in enumerate(options):
+        name, eq, value = option.partition("=")
+        if name in _RESTARTS:
+            asked = value if eq else (options[i + 1] if i + 1 < len(options) else "")
+    return asked.strip().isdigit() and int(asked) > 0
+
+
+def ddp_env(options: Sequence[str], env: dict[str, str]) -> dict[str, str]:
+    """The environment torchrun runs in: ``env``, and what its restarts need when asked for."""
+    if _restarts(options, env):
+        return {RESTART_STORE_VAR: "1", **env}  # one set by the user wins
+    return env
+
+
+def ddp_command(cmd: Sequence[str], nproc: int, options: Sequence[str] = ()) -> list[str]:
     """``cmd`` under torchrun with ``nproc`` processes on this machine.
 
     ``python train.py ...`` becomes ``torchrun train.py ...``, ``python -m pkg`` becomes
@@ -105,10 +156,19 @@ def ddp_command(cmd: Sequence[str], nproc: int) -> list[str]:
     ``--no-python``. On one machine ``--standalone`` gives each job its own rendezvous port, so
     two jobs on one server do not collide; in a multi-node job the options come from
     :func:`gpukit.distributed.torchrun_args` (the job's nodes and a rendezvous derived from it).
+    ``options`` (``--torchrun-arg``) follow gpukit's, so that they win. A job that cannot work
+    this way (several tasks on one node, the batch script of a multi-node job) is a usage
+    error, with the command that works in its hint.
     """
     from gpukit.distributed.environment import torchrun_args
+    from gpukit.errors import DistributedError
 
-    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc)]
+    _check_torchrun_options(options)
+    try:
+        ours = torchrun_args(nproc)
+    except DistributedError as exc:
+        raise InvalidArgumentError(exc.message, hint=exc.hint) from exc
+    launcher = [sys.executable, "-m", "torch.distributed.run", *ours, *options]
     program = os.path.basename(cmd[0])
     # torchrun takes the script or -m, not python's own options (python -u train.py): with
     # those, it runs the whole python command line as a program instead.
@@ -168,7 +228,7 @@ def _fit(text: str, width: int) -> str:
     return f"{text[:head]}...{text[len(text) - (width - 3 - head) :]}"
 
 
-def _cpu_only(args: argparse.Namespace, cmd: list[str], reason: NoDriverError) -> int:
+def _cpu_only(args: argparse.Namespace, argv: list[str], reason: NoDriverError) -> int:
     print(
         f"gpukit run: {reason.message} --cpu-ok: running the command on the CPU "
         "(CUDA_VISIBLE_DEVICES='').",
@@ -176,13 +236,20 @@ def _cpu_only(args: argparse.Namespace, cmd: list[str], reason: NoDriverError) -
         flush=True,
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
+    return launch(argv, ddp_env(args.torchrun_arg, env) if args.ddp else env)
 
 
 def run(args: argparse.Namespace) -> int:
     """Pick, claim (waiting if asked), run the command, return its exit status."""
     cmd = _command(args)
     criteria_from(args)  # the options' own mistakes, before anything is read
+    if args.torchrun_arg and not args.ddp:
+        raise InvalidArgumentError(
+            f"--torchrun-arg={args.torchrun_arg[0]} without --ddp: no torchrun to give it to.",
+            hint="Add --ddp: gpukit run --ddp -n N --torchrun-arg=OPT -- train.py",
+        )
+    # Under --ddp, a job that cannot work this way is refused before any GPU is claimed.
+    argv = ddp_command(cmd, args.gpus, args.torchrun_arg) if args.ddp else cmd
     configured = poll_interval()  # a bad $GPUKIT_POLL_INTERVAL is refused by every run
     poll = configured if args.poll is None else args.poll
     if args.settle < 1 or not poll > 0 or poll == float("inf"):
@@ -200,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         first = [inventory()]
     except NoDriverError as exc:
         if args.cpu_ok:
-            return _cpu_only(args, cmd, exc)
+            return _cpu_only(args, argv, exc)
         raise
     ignored = load_policy().ignored
     if ignored:  # a co-user's policy.toml: not a policy, but the administrator may want to know
@@ -233,6 +300,6 @@ def run(args: argparse.Namespace) -> int:
     with held:
         visible = ",".join(str(i) for i in held.indices)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        code = launch(ddp_command(cmd, args.gpus) if args.ddp else cmd, env)
+        code = launch(argv, ddp_env(args.torchrun_arg, env) if args.ddp else env)
         held.release(exit_code=code)  # the ledger records how the command ended
         return code

@@ -1,19 +1,25 @@
 """Where this process sits in a job, read from what the launcher or the scheduler set.
 
 Launchers and schedulers each describe a job in their own environment variables. This module
-reads them, in this order (the first that applies wins, so torchrun started by ``srun`` reads
-as torchrun):
+reads them, in this order (the first that applies wins: the launcher that started this process
+comes before the scheduler around it, so torchrun started by ``srun`` reads as torchrun, and a
+rank of ``mpirun`` inside a Slurm step reads as Open MPI):
 
 - **torchrun** (and ``gk.distributed.launch``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+- **Open MPI** (``mpirun``): ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``,
+  ``_LOCAL_SIZE``; the address must be given as ``MASTER_ADDR`` (``mpirun -x MASTER_ADDR=...``),
+  the port derives from the id Open MPI gives the job (``OMPI_MCA_ess_base_jobid``), so two
+  ``mpirun`` on one host use different ports. Inside a Slurm allocation ``mpirun`` starts its
+  remote daemons with ``srun``, and its ranks inherit that step's ``SLURM_PROCID=0`` and
+  ``SLURM_NTASKS=1``: Open MPI's variables describe the process, Slurm's the step around it.
 - **Slurm** (``srun``, one process per task): ``SLURM_PROCID``, ``SLURM_NTASKS``,
   ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_TASKS_PER_NODE``, the node list and the job id,
   inside an ``srun`` step (``SLURM_STEP_ID``); the job's batch script is a single process.
   The rendezvous is the first host of the node list (expanded as ``scontrol show hostnames``
-  does) on a port derived from ``SLURM_JOB_ID``, so every rank of a job agrees on it without
-  anything exported by hand, and two jobs on the same nodes use different ports.
-- **Open MPI** (``mpirun``): ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``,
-  ``_LOCAL_SIZE``; the address must be given as ``MASTER_ADDR`` (``mpirun -x MASTER_ADDR=...``).
+  does) on a port derived from ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``, so every rank of a step
+  agrees on it without anything exported by hand, and two jobs, or two steps of one job, on
+  the same nodes use different ports.
 - **SkyPilot** (one process per node): ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``,
   ``SKYPILOT_NUM_NODES``, ``SKYPILOT_NUM_GPUS_PER_NODE``.
 
@@ -38,6 +44,9 @@ __all__ = ["Environment", "environment", "expand_hostlist", "job_port", "torchru
 # ports to outgoing connections, and above the ports services usually register.
 PORT_BASE = 15000
 PORT_SPAN = 15000
+# Each step of a job moves the port by this much: a prime, so the steps of one job take
+# PORT_SPAN different ports, and a job's second step meets the first step of a job 7919 later.
+_STEP_STRIDE = 7919
 DEFAULT_PORT = 29500
 """torch's conventional rendezvous port, used when nothing gives or derives one."""
 
@@ -49,7 +58,8 @@ class Environment:
     ``source`` is ``"torchrun"``, ``"slurm"``, ``"mpi"``, ``"skypilot"``, or ``None`` for a
     single process. ``cuda_index`` is the CUDA device this process should use among those it
     sees: its ``local_rank``, or 0 when the scheduler gave each task its own GPUs
-    (``srun --gpus-per-task``). ``job_id`` names the job for a rendezvous id.
+    (``srun --gpus-per-task``; then ``bound_gpus`` is True). ``job_id`` names the job (and the
+    step) for a rendezvous id.
     """
 
     rank: int = 0
@@ -63,6 +73,7 @@ class Environment:
     source: str | None = None
     job_id: str | None = None
     cuda_index: int = 0
+    bound_gpus: bool = False
 
     @property
     def launched(self) -> bool:
@@ -88,16 +99,19 @@ _VARIABLES = {
 # -- Slurm host lists ------------------------------------------------------------------------
 
 
-def job_port(job_id: str) -> int:
-    """A rendezvous port derived from a job id: the same on every node, different per job.
+def job_port(job_id: str, step: str | None = None) -> int:
+    """A rendezvous port derived from a job id and step: the same on every node of the step.
 
-    Numeric ids (Slurm's) map one to one over ``PORT_SPAN`` consecutive jobs; other ids are
-    hashed.
+    Numeric ids (Slurm's, Open MPI's) map one to one over ``PORT_SPAN`` consecutive jobs, and
+    the steps of one job (``SLURM_STEP_ID``) take different ports, so two steps running at
+    once never meet in one rendezvous; other ids are hashed.
 
-    >>> job_port("123456"), job_port("123457")
-    (18456, 18457)
+    >>> job_port("123456"), job_port("123457"), job_port("123456", "1")
+    (18456, 18457, 26375)
     """
     number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    if step:
+        number += _STEP_STRIDE * (int(step) if step.isdigit() else zlib.crc32(step.encode()))
     return PORT_BASE + number % PORT_SPAN
 
 
@@ -214,14 +228,26 @@ def _slurm(env: Mapping[str, str]) -> Environment:
     else:
         local_world = _int(env, "SLURM_NTASKS_PER_NODE", "slurm", 0) or world
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    addr, port = _rendezvous(env, hosts[0] if hosts else None, job_port(job) if job else None)
-    cuda = local_rank
-    if env.get("SLURM_GPUS_PER_TASK") and _visible_count(env) in (None, *range(local_world)):
-        cuda = 0  # --gpus-per-task binds each task to its own GPUs: it sees them from cuda:0
     step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    first = hosts[0] if hosts else None
+    distribution = env.get("SLURM_DISTRIBUTION", "")
+    if distribution.startswith("arbitrary") and world > 1 and not env.get("MASTER_ADDR"):
+        # srun -m arbitrary places the tasks as a host file says: rank 0 may run on any node
+        # of the list, and the list's first host would wait for a peer that never joins.
+        raise DistributedError(
+            f"Slurm placed the tasks with SLURM_DISTRIBUTION={distribution}: rank 0 may run on "
+            f"any node of {list_name}={env.get(list_name)}, and nothing in the environment says "
+            "which, so the processes cannot agree on a rendezvous address.",
+            hint="Set MASTER_ADDR to the host of rank 0 (the first line of the SLURM_HOSTFILE "
+            "you gave srun), or use srun's default distribution (-m block).",
+        )
+    addr, port = _rendezvous(env, first, job_port(job, step) if job else None)
+    cuda, bound = local_rank, False
+    if env.get("SLURM_GPUS_PER_TASK") and _visible_count(env) in (None, *range(local_world)):
+        cuda, bound = 0, True  # --gpus-per-task binds each task to its GPUs: seen from cuda:0
     job_id = None if job is None else (f"{job}.{step}" if step else job)
     return Environment(
-        rank, world, local_rank, local_world, node, nodes, addr, port, "slurm", job_id, cuda
+        rank, world, local_rank, local_world, node, nodes, addr, port, "slurm", job_id, cuda, bound
     )
 
 
@@ -236,11 +262,43 @@ def _mpi(env: Mapping[str, str]) -> Environment:
             f"multiple of OMPI_COMM_WORLD_LOCAL_SIZE={local_world}.",
             hint="Start the same number of processes on every node (mpirun --npernode N).",
         )
-    addr, port = _rendezvous(env, None, DEFAULT_PORT)
+    job = env.get("OMPI_MCA_ess_base_jobid") or None  # each mpirun's job has its own
+    addr, port = _rendezvous(env, None, job_port(job) if job else DEFAULT_PORT)
     return Environment(
         rank, world, local_rank, local_world, rank // local_world, world // local_world,
-        addr, port, "mpi", None, local_rank,
+        addr, port, "mpi", job, local_rank,
     )  # fmt: skip
+
+
+def _mpi_inside_slurm(env: Mapping[str, str], mpi: Environment) -> None:
+    """Refuse Open MPI ranks whose Slurm step started several ``mpirun`` on this node.
+
+    ``mpirun`` inside an allocation starts its daemons with ``srun``, one task per node, and
+    its ranks inherit that step's variables; ``srun -n1 mpirun`` gives them a step of one task.
+    Open MPI's variables then describe the rank. But a step that put several tasks on this
+    node, each of which ran ``mpirun``, made as many separate worlds, each complete in its own
+    eyes: every one would train alone.
+    """
+    slurm_world = _int(env, "SLURM_NTASKS", "slurm", 1)
+    slurm_rank = _int(env, "SLURM_PROCID", "slurm", 0)
+    if slurm_world <= 1 or (slurm_world, slurm_rank) == (mpi.world_size, mpi.rank):
+        return  # a step of one task, or srun itself started the MPI ranks: the two agree
+    per_node_name = next(
+        (n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(n)), ""
+    )
+    per_node = _tasks_per_node(env[per_node_name]) if per_node_name else None
+    node = _int(env, "SLURM_NODEID", "slurm", 0)
+    here = per_node[node] if per_node and 0 <= node < len(per_node) else 1
+    if here > 1:
+        raise DistributedError(
+            f"Open MPI started rank {mpi.rank} of {mpi.world_size} (OMPI_COMM_WORLD_RANK, "
+            f"OMPI_COMM_WORLD_SIZE) inside a Slurm step of {slurm_world} tasks "
+            f"(SLURM_NTASKS), {here} of them on this node ({per_node_name}={env[per_node_name]}"
+            f"): each task ran its own mpirun, so the world sizes disagree and each mpirun's "
+            "ranks would train apart from the others'.",
+            hint="Start mpirun once (from the batch script, or `srun -n1 mpirun ...`), or let "
+            "srun start the tasks without mpirun: `srun -n N python train.py`.",
+        )
 
 
 def _skypilot(env: Mapping[str, str]) -> Environment:
@@ -277,14 +335,22 @@ def _names(source: str | None) -> tuple[str, str]:
 
 
 def check_devices(found: Environment, visible: int, what: str) -> None:
-    """Refuse a local rank beyond the ``visible`` GPUs, which would hang in the rendezvous."""
+    """Refuse local ranks beyond the ``visible`` GPUs, which would hang in the rendezvous.
+
+    Every process of the node sees the same counts, so every one refuses, not only the one
+    without a GPU: the others would wait for it in the rendezvous.
+    """
     rank_var, size_var = _names(found.source)
-    if visible > 0 and found.cuda_index >= visible:
+    # The last local rank's device: processes of a node share its GPUs, one each by local
+    # rank, unless the scheduler gave each its own (then each uses its cuda:0).
+    top = found.cuda_index if found.bound_gpus else found.local_world_size - 1
+    if visible > 0 and top >= visible:
+        whose = "this process's" if found.bound_gpus else f"local rank {top}'s"
         raise DistributedError(
             f"{found.source} started local rank {found.local_rank} ({rank_var}) of "
-            f"{found.local_world_size} on this node ({size_var}), but {what} lets this "
-            f"process see {visible} GPU{'s' if visible != 1 else ''}, so cuda:"
-            f"{found.cuda_index} does not exist.",
+            f"{found.local_world_size} on this node ({size_var}), but {what} lets each "
+            f"process see {visible} GPU{'s' if visible != 1 else ''}, so cuda:{top} ({whose}) "
+            "does not exist; every process of the node stops here rather than wait for it.",
             hint="Start at most one process per GPU of the node (--ntasks-per-node, "
             "--nproc-per-node), or give each task its GPUs (srun --gpus-per-task=1).",
         )
@@ -335,10 +401,11 @@ def _check(found: Environment, env: Mapping[str, str]) -> Environment:
 def environment(env: Mapping[str, str] | None = None) -> Environment:
     """Where this process sits in its job, from ``env`` (default ``os.environ``). Pure.
 
-    torchrun's variables win, then Slurm's, Open MPI's, SkyPilot's; with none of them, rank 0
-    of 1 on 1 node. Raises :class:`~gpukit.errors.DistributedError` naming the variables when
-    they contradict each other (a local rank beyond the GPUs CUDA_VISIBLE_DEVICES allows, task
-    counts that do not add up), which would otherwise hang in the rendezvous.
+    torchrun's variables win, then Open MPI's, Slurm's (inside an ``srun`` step), SkyPilot's;
+    with none of them, rank 0 of 1 on 1 node. Raises :class:`~gpukit.errors.DistributedError`
+    naming the variables when they contradict each other (local ranks beyond the GPUs
+    CUDA_VISIBLE_DEVICES allows, task counts that do not add up, ranks placed so that none can
+    tell where rank 0 runs), which would otherwise hang in the rendezvous.
 
     >>> e = environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
     ...     "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NNODES": "2",
@@ -350,13 +417,17 @@ def environment(env: Mapping[str, str] | None = None) -> Environment:
     found: Environment
     if "RANK" in env or "WORLD_SIZE" in env:
         found = _torchrun(env)
+    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        # Before Slurm: mpirun's ranks inside an allocation inherit the variables of the srun
+        # step that started mpirun's daemons (or mpirun itself), which describe that step.
+        found = _mpi(env)
+        if _in_slurm_step(env):
+            _mpi_inside_slurm(env, found)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _in_slurm_step(env):
         found = _slurm(env)
         if found.world_size == 1:
             # One Slurm task is an ordinary single process: no group, no rendezvous needed.
             return replace(SINGLE, job_id=found.job_id)
-    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
-        found = _mpi(env)
     elif "SKYPILOT_NODE_RANK" in env and "SKYPILOT_NUM_NODES" in env:
         found = _skypilot(env)
     else:
@@ -370,11 +441,12 @@ def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> 
     Run once per node (``srun --ntasks-per-node=1``, or SkyPilot's ``run:``): every node gets
     the same c10d rendezvous on the job's first node, at a port and with an id derived from
     the job, so no address is exported by hand. Outside a multi-node job it is
-    ``--standalone`` (a rendezvous of its own on this machine).
+    ``--standalone`` (a rendezvous of its own on this machine). Several tasks on one node are
+    refused (each would start its own torchrun), on one node as on several.
 
     >>> torchrun_args(4, {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2",
     ...     "SKYPILOT_NODE_IPS": "10.0.0.5\\n10.0.0.6", "MASTER_PORT": "29400"})
-    ['--nnodes=2', '--node-rank=1', '--nproc-per-node=4', '--rdzv-backend=c10d', \
+    ['--nnodes=2', '--nproc-per-node=4', '--rdzv-backend=c10d', \
 '--rdzv-endpoint=10.0.0.5:29400', '--rdzv-id=gpukit-29400']
     """
     if (
@@ -402,24 +474,28 @@ def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> 
             hint="Start it on every node: `srun --ntasks-per-node=1 gpukit run --ddp -n N -- "
             "train.py` (or `srun -N1 ...` to use one node on purpose).",
         )
-    if found.num_nodes <= 1:
-        return ["--standalone", f"--nproc-per-node={nproc_per_node}"]
     if found.local_world_size != 1:
+        # Checked before the one-node case: srun -N1 -n2 would otherwise start two standalone
+        # torchruns, two separate trainings (and, on a GPU node, two claims).
         _, size_var = _names(found.source)
+        processes = f"{nproc_per_node} process{'es' if nproc_per_node != 1 else ''}"
         raise DistributedError(
             f"{found.source} started {found.local_world_size} tasks on this node ({size_var}), "
-            f"but torchrun starts the node's {nproc_per_node} processes itself: each task "
-            "would start its own.",
+            f"but torchrun starts the node's {processes} itself: each task would start its own "
+            "torchrun, and its own training.",
             hint="Start one task per node: `srun --ntasks-per-node=1 gpukit run --ddp -n N -- "
             "train.py`.",
         )
+    if found.num_nodes <= 1:
+        return ["--standalone", f"--nproc-per-node={nproc_per_node}"]
     # _check refused a multi-node job without a rendezvous address and port.
     assert found.master_addr is not None
     assert found.master_port is not None
     run_id = found.job_id or f"gpukit-{found.master_port}"
+    # No --node-rank: the c10d rendezvous numbers the nodes itself (torchrun ignores it, and
+    # says so).
     return [
         f"--nnodes={found.num_nodes}",
-        f"--node-rank={found.node_rank}",
         f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={found.master_addr}:{found.master_port}",
