@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import stat
 import uuid as uuid_module
 import warnings
@@ -41,10 +40,10 @@ from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.flocks import exclusive_flocks
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Foreign, Line
+from gpukit.gpus.line import Foreign, Waiter
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
 from gpukit.gpus.policy import holdings, load_policy
-from gpukit.gpus.select import Criteria, assess
+from gpukit.gpus.select import assess
 from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, printable, read_bounded
 
 SCHEMA = "gpukit.queue/1"
@@ -250,44 +249,6 @@ def _unclaimed(inv: Inventory, held: Sequence[HeldClaim]) -> list[UnclaimedUse]:
     return found
 
 
-_SIZE = re.compile(r"at least (.+) free")
-_UTIL = re.compile(r"at most (\d+)% busy")
-_PROCS = re.compile(r"at most (\d+) process\(es\)")
-
-
-def criteria_from_text(text: str) -> Criteria | None:
-    """The criteria that :meth:`Criteria.describe` wrote as ``text``, or None if it is not one.
-
-    Waiters' tickets carry their criteria as that sentence. Sizes come back rounded to what
-    the sentence shows (0.1 GiB), enough to say how many GPUs qualify for a waiter.
-    """
-    text = text.strip()
-    if not text:
-        return Criteria()  # any idle GPU
-    head, _, excluded = text.partition(", not ")
-    values: dict[str, Any] = {}
-    processes_said = False
-    for part in filter(None, (p.strip() for p in head.split(","))):
-        if (size := _SIZE.fullmatch(part)) and "min_free" not in values:
-            values["min_free"] = size.group(1)
-        elif (util := _UTIL.fullmatch(part)) and "max_util" not in values:
-            values["max_util"] = int(util.group(1))
-        elif part == "no process on it" and not processes_said:
-            values["max_processes"] = 0
-            processes_said = True
-        elif (procs := _PROCS.fullmatch(part)) and not processes_said:
-            values["max_processes"] = int(procs.group(1))
-            processes_said = True
-        else:
-            return None
-    exclude = [e.strip() for e in excluded.split(",") if e.strip()] if excluded else []
-    try:
-        criteria = Criteria.make(exclude=[int(e) if e.isdigit() else e for e in exclude], **values)
-    except (GpukitError, TypeError, ValueError):
-        return None
-    return criteria if criteria.describe() == text else None
-
-
 def _refusals(folder: Path) -> Callable[[int | None, int | None], str | None]:
     """``refusal(uid, n)``: why the server's policy keeps that waiter from claiming now."""
     try:
@@ -299,7 +260,7 @@ def _refusals(folder: Path) -> Callable[[int | None, int | None], str | None]:
 
 
 def _reasons(
-    line: Sequence[dict[str, Any]],
+    line: Sequence[Waiter],
     inv: Inventory,
     claims: dict[str, Holder],
     refusal: Callable[[int | None, int | None], str | None],
@@ -308,22 +269,20 @@ def _reasons(
     the policy lets claim is served as soon as enough GPUs qualify."""
     reasons = []
     first_allowed: int | None = None
-    for entry in line:
-        n, position = entry.get("n"), entry["position"]
-        refused = refusal(entry.get("uid"), n)
+    for waiter in line:
+        n = waiter.n
+        refused = refusal(waiter.uid, n)
         if refused:
             reasons.append(refused)
             continue
         if first_allowed is not None:
             reasons.append(f"behind position {first_allowed}")
             continue
-        first_allowed = position
-        text = entry.get("criteria")
-        criteria = criteria_from_text(text) if isinstance(text, str) else None
-        if criteria is None or type(n) is not int:
-            reasons.append("next in line")
+        first_allowed = waiter.position
+        if waiter.wants is None:
+            reasons.append("next in line (criteria unknown)")
             continue
-        ok = sum(v.ok for v in assess(inv, criteria, claims))
+        ok = sum(v.ok for v in assess(inv, waiter.wants, claims))
         reasons.append(
             f"{ok} of {n} GPU{'s' if n != 1 else ''} qualify"
             if ok < n
@@ -332,33 +291,24 @@ def _reasons(
     return reasons
 
 
-def _line(folder: Path) -> tuple[list[dict[str, Any]], Line]:
-    """The waiters in service order, as dicts of what their tickets say, and the whole line."""
-    fields = ("position", "pid", "user", "uid", "n", "criteria", "command", "since")
-    line = waiting.read_line(folder)
-    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line
-
-
 def _waiters(
-    line: list[dict[str, Any]], inv: Inventory, claims: dict[str, Holder], folder: Path
+    line: Sequence[Waiter], inv: Inventory, claims: dict[str, Holder], folder: Path
 ) -> list[Waiting]:
     if not line:
         return []
     reasons = _reasons(line, inv, claims, _refusals(folder))
     return [
         Waiting(
-            position=entry["position"],
-            user=entry.get("user"),
-            pid=entry.get("pid"),
-            n=entry.get("n"),
-            criteria=(entry.get("criteria") or "any")
-            if entry.get("criteria") is not None
-            else None,
-            since=entry.get("since"),
+            position=waiter.position,
+            user=waiter.user,
+            pid=waiter.pid,
+            n=waiter.n,
+            criteria=waiter.criteria or "any",
+            since=waiter.since,
             reason=reason,
-            command=printable(entry.get("command"), limit=4096),
+            command=waiter.command or None,
         )
-        for entry, reason in zip(line, reasons, strict=True)
+        for waiter, reason in zip(line, reasons, strict=True)
     ]
 
 
@@ -502,13 +452,13 @@ def sharing(
     inv = inventory() if inv is None else inv
     # The line first, then the claims: a waiter leaves the line only once it holds its claim,
     # so read in this order, each process that waits or holds shows in one list at least.
-    line, read = _line(base)
+    read = waiting.read_line(base)
     claims = current_claims(base)
     held = _holders(claims, inv, base, exclusive_flocks())
     return Sharing(
         taken_at=inv.taken_at,
         holders=tuple(held),
-        waiters=tuple(_waiters(line, inv, claims, base)),
+        waiters=tuple(_waiters(read.waiters, inv, claims, base)),
         unclaimed=tuple(_unclaimed(inv, held)),
         idle=tuple(_idle(base, held, inv, idle_after, observe)),
         idle_after_s=idle_after,

@@ -56,7 +56,8 @@ _MOST_PINS = 64
 class Ticket:
     """This process's place in the line of waiters; :meth:`close` leaves the line.
 
-    ``n``, ``criteria`` and ``command`` are recorded in the ticket for ``gpukit queue``.
+    ``n``, ``criteria`` (default: any idle GPU) and ``command`` are recorded in the ticket for
+    ``gpukit queue``: the criteria as a sentence and as data (:mod:`gpukit.gpus.line`).
 
     A ticket counts from when it became a live waiter, not from when it was named. A file can
     be named long before its creator locks it (which leaves its change time as it was), so on
@@ -71,20 +72,22 @@ class Ticket:
         folder: Path | None = None,
         *,
         n: int = 1,
-        criteria: str = "",
+        criteria: Criteria | None = None,
         command: str | None = None,
     ) -> None:
         self.queue = shared_dir(shared_dir(lock_dir() if folder is None else Path(folder)) / QUEUE)
         self._dir: int | None = open_folder(self.queue)
         name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
         uid = os.getuid()
+        criteria = Criteria() if criteria is None else criteria
         record = {
             "schema": TICKET_SCHEMA,
             "pid": os.getpid(),
             "user": user_name(uid),
             "uid": uid,
             "n": n,
-            "criteria": criteria,
+            "criteria": criteria.describe(),
+            "wants": criteria.to_json(),
             "command": (command if command is not None else " ".join(sys.argv))[:_MAX_COMMAND],
             "since": time.time(),
         }
@@ -258,7 +261,7 @@ def wait_and_claim(
     limits = policy.limits != Limits()
     start = time.monotonic()
     streak: dict[str, int] = {}
-    with Ticket(folder, n=n, criteria=criteria.describe(), command=command) as ticket:
+    with Ticket(folder, n=n, criteria=criteria, command=command) as ticket:
         while True:
             verdicts = assess(inv, criteria, current_claims(folder))
             streak = {v.gpu.uuid: streak.get(v.gpu.uuid, 0) + 1 for v in verdicts if v.ok}
