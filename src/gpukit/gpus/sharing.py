@@ -7,9 +7,11 @@
 
 What ``gpukit queue`` shows. Never imports torch.
 
-- Holders come from the claims' lock files, checked against the kernel's lock table
-  (``/proc/locks``): where another process than the record names holds a lock, that process
-  is shown. The user shown is the owner of the holder's process as the kernel reports it.
+- Holders come from the claims' lock files as :func:`~gpukit.gpus.claims.current_claims`
+  reads them, checked against the kernel's lock table (``/proc/locks``): where another process
+  than the record names holds a lock, that process is shown. The user shown is the owner of the
+  holder's process as the kernel reports it, named as everywhere in gpukit (``'uid 54321'`` for
+  a uid without an account).
 - Waiters come from the line of waiters, in service order, each with why it is not served yet.
 - Unclaimed use: a process NVML sees on a GPU that no claim of that GPU covers. A claim covers
   its holder and the holder's descendants (``/proc/<pid>/stat`` parents), since ``gpukit run``
@@ -31,20 +33,19 @@ import stat
 import uuid as uuid_module
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gpukit.errors import GpukitError
 from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
-from gpukit.gpus.flocks import exclusive_flocks
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.line import Foreign, Waiter
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
 from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import assess
-from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, printable, read_bounded
+from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, read_bounded
 
 SCHEMA = "gpukit.queue/1"
 """The ``schema`` field of :meth:`Sharing.to_json`."""
@@ -132,24 +133,6 @@ class Sharing:
         return {"schema": SCHEMA, **asdict(self)}
 
 
-def _proc_uid(pid: int) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-
-
-def _user_name(uid: int | None) -> str | None:
-    if uid is None:
-        return None
-    try:
-        import pwd
-
-        return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return str(uid)
-
-
 def _parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -172,42 +155,13 @@ def ancestors(pid: int) -> list[int]:
     return found
 
 
-def _cmdline(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    return printable(text, limit=4096)  # no escape sequences
-
-
-def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
-    """``holder`` as its lock record says, corrected by the kernel's lock table.
-
-    A record is written by whoever holds the lock, so it could name someone else's process;
-    where the kernel says another pid holds the lock, that pid and its command line win.
-    """
-    if table is None:
-        return holder  # no lock table (not Linux): the record is all there is
-    try:
-        pids = table.get(os.lstat(lock).st_ino, frozenset()) - {0}
-    except OSError:
-        return holder
-    if not pids or holder.pid in pids:
-        return holder  # verified, or held from another pid namespace (pid 0): unverifiable
-    pid = min(pids)
-    return replace(holder, user=None, pid=pid, command=_cmdline(pid))
-
-
-def _holders(
-    claims: dict[str, Holder], inv: Inventory, folder: Path, table: dict[int, frozenset[int]] | None
-) -> list[HeldClaim]:
+def _holders(claims: dict[str, Holder], inv: Inventory) -> list[HeldClaim]:
+    """The claims held now, one per holder; ``claims`` as :func:`current_claims` reads them,
+    so each holder is already the one the kernel's lock table says."""
     index = {g.uuid: g.index for g in inv.gpus}
     groups: dict[tuple[int | None, float | None, str | None, str | None], list[str]] = {}
     records: dict[tuple[int | None, float | None, str | None, str | None], Holder] = {}
-    for uuid, recorded in claims.items():
-        holder = _true_holder(recorded, folder / f"{uuid}.lock", table)
+    for uuid, holder in claims.items():
         key = (holder.pid, holder.since, holder.user, holder.command)
         groups.setdefault(key, []).append(uuid)
         records[key] = holder
@@ -215,13 +169,11 @@ def _holders(
     for key, uuids in groups.items():
         holder = records[key]
         uuids.sort(key=lambda u: (index.get(u) is None, index.get(u) or 0, u))
-        # The lock record is written by its holder; the kernel's word on who runs the pid wins.
-        owner = _user_name(_proc_uid(holder.pid)) if holder.pid is not None else None
         held.append(
             HeldClaim(
                 gpus=tuple(index.get(u) for u in uuids),
                 uuids=tuple(uuids),
-                user=owner or holder.user,
+                user=holder.user,
                 pid=holder.pid,
                 command=holder.command,
                 since=holder.since,
@@ -454,7 +406,7 @@ def sharing(
     # so read in this order, each process that waits or holds shows in one list at least.
     read = waiting.read_line(base)
     claims = current_claims(base)
-    held = _holders(claims, inv, base, exclusive_flocks())
+    held = _holders(claims, inv)
     return Sharing(
         taken_at=inv.taken_at,
         holders=tuple(held),
