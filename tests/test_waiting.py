@@ -360,3 +360,13 @@ def test_criteria_written_as_json_read_back_equal(
 ) -> None:
     criteria = Criteria(min_free, max_util, max_processes, tuple(exclude))
     assert Criteria.from_json(json.loads(json.dumps(criteria.to_json()))) == criteria
+
+
+def test_a_waiter_excluding_thousands_of_gpus_keeps_its_place_with_criteria_unknown(
+    locks: Path,
+) -> None:
+    criteria = Criteria(exclude=tuple(f"GPU-{i:036d}" for i in range(3000)))
+    with Ticket(criteria=criteria, command="python train.py") as ticket:
+        (waiter,) = read_line().waiters
+    assert (waiter.ticket, waiter.command, waiter.wants) == (ticket.name, "python train.py", None)
+    assert criteria.describe().startswith(waiter.criteria)

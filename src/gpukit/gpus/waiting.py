@@ -49,6 +49,10 @@ __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", 
 # The line ignores a ticket whose record is over 64 KiB: a long command is cut, so that its
 # waiter keeps its place (JSON writes a character in up to 12 bytes: 4096 of them fit).
 _MAX_COMMAND = 4096
+# A record that would be past the bound all the same (an exclude list of thousands) keeps
+# its place without its criteria as data, and with its sentence cut to this many characters.
+_MOST_RECORD = 64 * 1024
+_MAX_CRITERIA = 1024
 # How many tickets no live waiter holds a waiter keeps from coming alive (one descriptor each).
 _MOST_PINS = 64
 
@@ -91,6 +95,10 @@ class Ticket:
             "command": (command if command is not None else " ".join(sys.argv))[:_MAX_COMMAND],
             "since": time.time(),
         }
+        data = json.dumps(record).encode()
+        if len(data) > _MOST_RECORD:
+            record.update(wants=None, criteria=criteria.describe()[:_MAX_CRITERIA])
+            data = json.dumps(record).encode()
         # Locked and written before it gets its visible name, so that no one ever sees it
         # unlocked or empty and takes it for an abandoned or forged ticket. Created private:
         # a co-user who opened it first could hold a shared lock on it and block ours forever.
@@ -110,7 +118,7 @@ class Ticket:
             )
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.write(self._fd, json.dumps(record).encode())
+                os.write(self._fd, data)
                 os.fchmod(self._fd, _TICKET_MODE)
                 self._pin_dormant()  # before the name appears: a watcher cannot race it
                 os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
