@@ -148,3 +148,67 @@ def test_the_poll_interval_comes_from_the_environment_when_not_given(
     monkeypatch.setenv("GPUKIT_POLL_INTERVAL", "0.25")
     assert poll_interval() == 0.25
     assert poll_interval(5) == 5.0
+
+
+A100 = MACHINES / "server-8xA100-shared.json"  # 8 alike GPUs; only 2 and 4 idle
+
+
+def _scheduler_grant(monkeypatch: pytest.MonkeyPatch, *indices: int) -> None:
+    """CUDA_VISIBLE_DEVICES as a scheduler sets it: the granted GPUs' full UUIDs."""
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(A100))
+    uuids = {g.index: g.uuid for g in inventory().gpus}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(uuids[i] for i in indices))
+
+
+def test_acquire_inside_a_grant_speaks_of_the_granted_gpus_not_of_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _scheduler_grant(monkeypatch, 3, 5)  # both busy
+    with pytest.raises(NoGpuAvailableError) as info:
+        gk.acquire(1)
+    message = info.value.message
+    assert message.startswith(
+        "Asked for 1 GPU with no process on it, of the 2 GPUs (3, 5) granted by "
+        "CUDA_VISIBLE_DEVICES: 0 of 2 qualify.\n  GPU 3: "
+    )
+    assert [line.split(":")[0] for line in message.splitlines()[1:]] == ["  GPU 3", "  GPU 5"]
+    assert "GPU-" not in message
+    assert "excluded" not in message
+
+
+def test_a_waiter_inside_a_grant_says_and_records_the_grant_by_index(
+    monkeypatch: pytest.MonkeyPatch, locks: Path
+) -> None:
+    _scheduler_grant(monkeypatch, 3, 5)
+    statuses: list[str] = []
+    recorded: list[str] = []
+
+    def status(text: str) -> None:
+        statuses.append(text)
+        recorded.extend(w.criteria for w in read_line(locks).waiters)
+
+    with pytest.raises(WaitTimeoutError) as info:
+        gk.acquire(1, timeout=0, poll=0.01, settle=3, on_status=status)
+    assert statuses == [
+        "waiting for 1 GPU (no process on it, granted GPUs 3,5): 0 of 2 qualify, "
+        "0 for 3 polls in a row"
+    ]
+    assert recorded == ["no process on it, granted GPUs 3,5"]  # what `gpukit queue` shows
+    assert "of the 2 GPUs (3, 5) granted by CUDA_VISIBLE_DEVICES: 0 of 2" in info.value.message
+
+
+def test_an_exclusion_outside_the_grant_is_no_error_and_one_inside_it_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _scheduler_grant(monkeypatch, 2, 3, 4)
+    with gk.acquire(1, exclude=[0, 4]) as held:
+        assert held.indices == [2]
+
+
+def test_a_job_granted_the_readable_gpu_of_a_machine_with_a_lost_one_gets_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GPUKIT_FAKE_NVML", str(ONE_LOST))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with gk.acquire(1) as held:
+        assert held.indices == [0]

@@ -142,6 +142,33 @@ def test_a_runtime_error_without_an_out_of_memory_message_is_not_out_of_memory()
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
 
 
+def test_a_cudnn_not_supported_error_for_a_too_large_batch_counts_as_out_of_memory() -> None:
+    # cuDNN's answer for a batch past what its kernels take: smaller batches work.
+    cudnn = RuntimeError(
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
+        "non-contiguous input."
+    )
+
+    def step(batch_size: int) -> None:
+        if batch_size > 24:
+            raise cudnn
+
+    assert gk.find_batch_size(step, start=8, maximum=256) == 24
+
+
+@pytest.mark.parametrize("decorator", [False, True], ids=["function", "decorator"])
+def test_find_batch_size_without_maximum_is_a_typed_error_saying_why_it_is_needed(
+    decorator: bool,
+) -> None:
+    step = SimulatedGpu(limit=100)
+    call = (lambda: gk.find_batch_size(start=1)) if decorator else lambda: gk.find_batch_size(step)
+    with pytest.raises(InvalidArgumentError, match="needs maximum=") as info:
+        call()
+    assert "grow forever" in info.value.message
+    assert "maximum=1024" in (info.value.hint or "")
+    assert step.tried == []
+
+
 def test_find_batch_size_logs_each_try(caplog: pytest.LogCaptureFixture) -> None:
     step = SimulatedGpu(limit=5)
     with caplog.at_level(logging.INFO, logger="gpukit.memory"):

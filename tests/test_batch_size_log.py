@@ -61,3 +61,15 @@ def test_a_long_error_message_is_cut_to_200_characters_in_the_log(
     assert _logged(caplog, torch.OutOfMemoryError(message), maximum=3)[-1] == (
         f"batch size 3: out of memory ({message[:200]})"
     )
+
+
+def test_a_search_that_never_runs_out_of_memory_says_it_stopped_at_maximum(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tried: list[int] = []
+    with caplog.at_level(logging.INFO, logger="gpukit.memory"):
+        assert gk.find_batch_size(tried.append, start=1, maximum=6) == 6
+    assert tried == [1, 2, 4, 6]  # the step ran, for real, at every size tried
+    assert caplog.records[-1].getMessage() == (
+        "batch size 6: reached maximum=6 without running out of memory; larger sizes were not tried"
+    )

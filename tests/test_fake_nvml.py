@@ -127,8 +127,23 @@ def test_a_fifo_as_the_description_is_refused_instead_of_hanging(tmp_path: Path)
 
     fifo = tmp_path / "machine.json"
     os.mkfifo(fifo)
-    with pytest.raises(InvalidArgumentError, match="is not a regular file"):
+    with pytest.raises(InvalidArgumentError, match="not a regular file"):
         load_description(fifo)
+
+
+def test_a_description_nested_without_end_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "machine.json"
+    path.write_text('{"gpus": ' + "[" * 100_000)
+    with pytest.raises(InvalidArgumentError, match="nested more than"):
+        load_description(path)
+
+
+def test_a_sparse_file_of_a_terabyte_is_refused_without_reading_it(tmp_path: Path) -> None:
+    path = tmp_path / "machine.json"
+    with path.open("wb") as f:
+        f.truncate(1 << 40)
+    with pytest.raises(InvalidArgumentError, match="larger than"):
+        load_description(path)
 
 
 def test_a_description_that_is_not_utf8_json_is_a_usage_error(tmp_path: Path) -> None:

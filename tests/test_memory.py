@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -14,6 +18,28 @@ from gpukit.errors import DeviceError, InvalidArgumentError
 from gpukit.memory.report import MemoryReport
 
 MiB = 1 << 20
+
+
+@contextmanager
+def _nothing_else_freed() -> Iterator[None]:
+    """No collection inside the block: freeing earlier tests' garbage would hide its growth."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _use_fresh_pages(nbytes: int) -> None:
+    """Make the process's resident set grow by ``nbytes`` for a moment, then shrink back.
+
+    Pages straight from the kernel, each written once, so no allocator can serve them from
+    memory the process already holds; unmapped before returning.
+    """
+    with mmap.mmap(-1, nbytes) as pages:
+        for offset in range(0, nbytes, mmap.PAGESIZE):
+            pages[offset] = 1
 
 
 class Tower(nn.Module):
@@ -106,9 +132,8 @@ def test_memory_report_rejects_an_unknown_device() -> None:
 
 
 def test_track_peak_sees_a_tensor_freed_inside_the_block() -> None:
-    with gk.track_peak("cpu") as mem:
-        temp = torch.ones(64 * MiB // 4)
-        del temp
+    with _nothing_else_freed(), gk.track_peak("cpu") as mem:
+        _use_fresh_pages(64 * MiB)
     assert mem.increase is not None
     assert mem.increase >= 48 * MiB
     assert mem.end is not None
@@ -117,10 +142,9 @@ def test_track_peak_sees_a_tensor_freed_inside_the_block() -> None:
 
 
 def test_track_peak_outer_block_keeps_the_peak_of_an_inner_block() -> None:
-    with gk.track_peak("cpu") as outer:
+    with _nothing_else_freed(), gk.track_peak("cpu") as outer:
         with gk.track_peak("cpu") as inner:
-            temp = torch.ones(64 * MiB // 4)
-            del temp
+            _use_fresh_pages(64 * MiB)
         assert inner.increase is not None
         assert inner.increase >= 48 * MiB
     assert outer.peak is not None

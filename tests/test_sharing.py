@@ -20,6 +20,7 @@ from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.line import Waiter
 from gpukit.gpus.select import Criteria
 from gpukit.gpus.sharing import sharing
+from gpukit.gpus.visible import Grant
 
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
 HOUR = 3600.0
@@ -371,8 +372,15 @@ def test_a_waiter_for_20gb_is_judged_by_20_billion_bytes_not_by_the_rounded_sent
         (Criteria.make(exclude=[0, 2]), 2),
         (Criteria(exclude=(f"{UUID}1,GPU-x",)), 4),
         (Criteria.make(exclude=f"{UUID}1, {UUID}2, {UUID}3"), 1),
+        (Criteria(grant=Grant((1, 2, 3), "CUDA_VISIBLE_DEVICES", "1,2,3"), exclude=(1,)), 2),
     ],
-    ids=["1 byte and 2 processes", "two indices", "an entry with a comma", "a list of UUIDs"],
+    ids=[
+        "1 byte and 2 processes",
+        "two indices",
+        "an entry with a comma",
+        "a list of UUIDs",
+        "a grant",
+    ],
 )
 def test_the_next_waiter_is_told_how_many_gpus_qualify_for_its_exact_criteria(
     criteria: Criteria, qualify: int
@@ -393,6 +401,7 @@ def test_the_next_waiter_is_told_how_many_gpus_qualify_for_its_exact_criteria(
             "max_util": None,
             "max_processes": None,
             "exclude": [],
+            "grant": None,
         },
         {
             "schema": "gpukit.criteria/1",
@@ -400,9 +409,24 @@ def test_the_next_waiter_is_told_how_many_gpus_qualify_for_its_exact_criteria(
             "max_util": None,
             "max_processes": None,
             "exclude": [[0]],
+            "grant": None,
+        },
+        {
+            "schema": "gpukit.criteria/1",
+            "min_free": None,
+            "max_util": None,
+            "max_processes": None,
+            "exclude": [],
+            "grant": {"indices": ["4"], "variable": "CUDA_VISIBLE_DEVICES", "value": "4"},
         },
     ],
-    ids=["an older gpukit's ticket", "a sentence", "a size past 2**100", "a nested exclude"],
+    ids=[
+        "an older gpukit's ticket",
+        "a sentence",
+        "a size past 2**100",
+        "a nested exclude",
+        "a grant by text",
+    ],
 )
 def test_a_waiter_whose_criteria_cannot_be_read_keeps_its_place_with_criteria_unknown(
     locks: Path, wants: object

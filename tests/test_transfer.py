@@ -15,6 +15,7 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.errors import DeviceError, InvalidArgumentError
+from tests.refcycles import cyclic_garbage
 
 META = torch.device("meta")
 Point = namedtuple("Point", ["x", "y"])
@@ -264,6 +265,13 @@ def test_a_batch_that_contains_itself_is_a_typed_error_not_a_recursion_error() -
         gk.to_device(batch, META)
     with pytest.raises(InvalidArgumentError, match="contains itself"):
         gk.to_device(batch, META, skip=["labels"])
+
+
+@pytest.mark.parametrize("skip", [(), ("labels",)], ids=["plain", "with skip"])
+def test_to_device_leaves_no_reference_cycles_behind(skip: tuple[str, ...]) -> None:
+    batch = {"x": torch.ones(2), "labels": [torch.zeros(1)], "pair": Point(torch.ones(1), 2)}
+    assert cyclic_garbage(lambda: gk.to_device(batch, "cpu", skip=skip)) == 0
+    assert cyclic_garbage(lambda: gk.to_device(batch, META, skip=skip)) == 0
 
 
 @pytest.mark.parametrize("skip", [5.5, None, object()])

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import gpukit as gk
 from gpukit import _tree
 from gpukit.errors import InvalidArgumentError
+from tests.refcycles import cyclic_garbage
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -222,6 +223,15 @@ def test_a_recursion_error_from_fn_itself_is_not_mistaken_for_a_cycle() -> None:
 
     with pytest.raises(RecursionError):
         gk.tree_map(recurse, [torch.ones(1)])
+
+
+@pytest.mark.parametrize("fn", [lambda t: t, lambda t: t + 1], ids=["no-op", "changing"])
+def test_tree_map_leaves_no_reference_cycles_behind(fn: Any) -> None:
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), "id"), "s": Sample(torch.ones(1), 0)}
+    assert cyclic_garbage(lambda: gk.tree_map(fn, batch)) == 0
+    assert (
+        cyclic_garbage(lambda: _tree.map_with_paths(batch, lambda _, t: fn(t), torch.Tensor)) == 0
+    )
 
 
 def test_tree_map_refuses_a_non_callable_fn_and_a_non_type() -> None:

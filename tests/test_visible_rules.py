@@ -425,3 +425,39 @@ def test_where_libraries_cannot_be_probed_no_driver_counts_as_loaded(
     monkeypatch.delattr(os, "RTLD_NOLOAD", raising=False)  # as on macOS or Windows
     monkeypatch.setattr(visible, "_DRIVER_LIBRARY", "libc.so.6")
     assert visible._loaded_cuda_driver() is None
+
+
+def test_a_uuid_list_with_an_index_in_it_ends_at_the_index(use: UseMachine) -> None:
+    # The list ends at the first entry of another kind than the first: here, at the 0.
+    value = f"{T4_0},0,{T4_1}"
+    assert parse_visible_devices(value) == (T4_0,)
+    view = resolve(value, None, use(T4))
+    assert [d.nvml_index for d in view.devices or ()] == [0]
+    assert view.warnings == (
+        f"CUDA_VISIBLE_DEVICES={value}: CUDA stops at the first invalid entry and uses only "
+        f"{T4_0}.",
+    )
+    grant = visible.granted_gpus(use(T4), {"CUDA_VISIBLE_DEVICES": value})
+    assert grant is not None
+    assert grant.indices == (0,)
+
+
+def test_an_index_on_a_machine_with_a_lost_gpu_warns_of_no_numbering_guess(
+    use: UseMachine,
+) -> None:
+    # The lost GPU's model cannot be read; the readable ones are alike, so CUDA's order is PCI's.
+    view = resolve("0", None, use("kaggle-2xT4-one-lost"))
+    assert [d.nvml_index for d in view.devices or ()] == [0]
+    assert view.warnings == ()
+
+
+def test_indices_on_a_machine_of_mixed_models_warn_that_the_numbering_is_a_guess(
+    use: UseMachine,
+) -> None:
+    view = resolve("0,1", None, use(MIXED))
+    [warning] = view.warnings
+    assert warning.startswith(
+        "CUDA_DEVICE_ORDER is not PCI_BUS_ID and this machine's GPUs differ, so CUDA's "
+        "numbering may differ from nvidia-smi's (likely cuda:0=GPU 1 (NVIDIA GeForce RTX 4090)"
+    )
+    assert warning.endswith("Set CUDA_DEVICE_ORDER=PCI_BUS_ID to make them agree.")

@@ -20,6 +20,7 @@ from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import user_name
 from gpukit.gpus.select import Criteria
+from gpukit.gpus.visible import Grant
 from gpukit.gpus.waiting import TICKET_SCHEMA, Ticket, read_line
 from tests.conftest import ROOT, subprocess_env
 
@@ -333,8 +334,9 @@ _UUIDS = [f"GPU-4a1d2e10-5b7c-4f3e-9d21-0c6e8f1a2b0{i}" for i in range(1, 4)]
         Criteria(min_free=1, max_processes=2),
         Criteria.make(max_util=10, exclude=[3, "GPU-4a1d2e10,x", *_UUIDS]),
         Criteria.make(exclude=",".join(_UUIDS)),
+        Criteria(grant=Grant((4, 5), "CUDA_VISIBLE_DEVICES", "GPU-4a1d,5")),
     ],
-    ids=["20GB", "1 byte and 2 processes", "indices and UUIDs", "UUIDs as one text"],
+    ids=["20GB", "1 byte and 2 processes", "indices and UUIDs", "UUIDs as one text", "a grant"],
 )
 def test_a_waiters_criteria_come_back_from_its_ticket_exactly(
     locks: Path, criteria: Criteria
@@ -354,11 +356,22 @@ _counts = st.none() | st.integers(0, 2**32 - 1)
     max_util=st.none() | st.integers(0, 100),
     max_processes=_counts,
     exclude=st.lists(st.integers(0, 2**32 - 1) | st.text(max_size=64), max_size=8),
+    grant=st.none()
+    | st.builds(
+        Grant,
+        st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple),
+        st.sampled_from(["CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS"]),
+        st.text(max_size=64),
+    ),
 )
 def test_criteria_written_as_json_read_back_equal(
-    min_free: int | None, max_util: int | None, max_processes: int | None, exclude: list[int | str]
+    min_free: int | None,
+    max_util: int | None,
+    max_processes: int | None,
+    exclude: list[int | str],
+    grant: Grant | None,
 ) -> None:
-    criteria = Criteria(min_free, max_util, max_processes, tuple(exclude))
+    criteria = Criteria(min_free, max_util, max_processes, tuple(exclude), grant)
     assert Criteria.from_json(json.loads(json.dumps(criteria.to_json()))) == criteria
 
 

@@ -154,6 +154,7 @@ def test_a_tickets_name_is_its_time_pid_and_8_hex_digits_and_its_path_holds_its_
             "max_util": 10,
             "max_processes": None,
             "exclude": [],
+            "grant": None,
         },
         "command": "python train.py",
     }

@@ -226,20 +226,23 @@ def mapper(leaf: LeafFn, types: type | tuple[type, ...], opaque: LeafFn | None =
     first = exact is None or any(issubclass(c, wanted) for c in (list, dict, tuple))
     atoms = frozenset(c for c in _ATOMS if not issubclass(c, wanted))
 
-    def walk(obj: Any) -> Any:
+    # The walk is handed itself as its first argument instead of calling itself through its
+    # closure: a function whose closure holds the function is a reference cycle, and one such
+    # cycle per call would be garbage for the collector on every training step.
+    def walk(again: Any, obj: Any) -> Any:
         cls = type(obj)
         if cls is exact:
             return leaf(obj)
         if first and isinstance(obj, wanted):
             return leaf(obj)
         if cls is list:
-            out = [leaf(v) if type(v) is exact else walk(v) for v in obj]
+            out = [leaf(v) if type(v) is exact else again(again, v) for v in obj]
             return obj if all(map(is_, out, obj)) else out
         if cls is dict:
-            new = {k: leaf(v) if type(v) is exact else walk(v) for k, v in obj.items()}
+            new = {k: leaf(v) if type(v) is exact else again(again, v) for k, v in obj.items()}
             return obj if all(map(is_, new.values(), obj.values())) else new
         if cls is tuple:
-            out = [leaf(v) if type(v) is exact else walk(v) for v in obj]
+            out = [leaf(v) if type(v) is exact else again(again, v) for v in obj]
             return obj if all(map(is_, out, obj)) else tuple(out)
         if cls in atoms:
             return obj
@@ -249,12 +252,12 @@ def mapper(leaf: LeafFn, types: type | tuple[type, ...], opaque: LeafFn | None =
         if kind == LEAF:
             return obj if opaque is None else opaque(obj)
         old = _values(obj, kind)
-        values = [leaf(v) if type(v) is exact else walk(v) for v in old]
+        values = [leaf(v) if type(v) is exact else again(again, v) for v in old]
         if all(map(is_, values, old)):
             return obj
         return rebuild(obj, kind, values)
 
-    return walk
+    return functools.partial(walk, walk)
 
 
 def map_with_paths(
@@ -272,7 +275,7 @@ def map_with_paths(
 
     wanted = _check_types(types)
 
-    def walk(obj: Any, path: KeyPath) -> Any:
+    def walk(again: Any, obj: Any, path: KeyPath) -> Any:  # handed itself: see mapper
         if isinstance(obj, wanted):
             return leaf(path, obj)
         kind = kind_of(obj)
@@ -280,14 +283,14 @@ def map_with_paths(
             return obj if opaque is None else opaque(obj)
         pairs = children(obj, kind)
         values = [
-            value if keep is not None and keep((*path, key)) else walk(value, (*path, key))
+            value if keep is not None and keep((*path, key)) else again(again, value, (*path, key))
             for key, value in pairs
         ]
         if all(new is old for new, (_, old) in zip(values, pairs, strict=True)):
             return obj
         return rebuild(obj, kind, values)
 
-    return guarded(lambda d: walk(d, ()), data)
+    return guarded(lambda d: walk(walk, d, ()), data)
 
 
 def leaves_with_paths(

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -423,14 +424,17 @@ _COMMAND_MODULES = (
 def _as_unprivileged_user() -> Iterator[None]:
     """Drop to an ordinary user's rights (root ignores file modes); nothing to do otherwise.
 
-    What the command imports is imported first: that user may not read the checkout (a clone in
-    a private folder), and a module imported late would fail to load, not the path checks.
+    That user may not be able to read this checkout or this Python at all (a clone in a 0700
+    folder), so nothing may be imported while acting as them: each test runs its command as
+    root first, which imports all of it. A module imported in the block anyway fails the test
+    here, in every order and every clone, instead of only where it could not be read.
     """
     if os.geteuid() != 0:
         yield
         return
     for name in _COMMAND_MODULES:
         importlib.import_module(name)
+    before = set(sys.modules)
     os.setegid(65534)
     os.seteuid(65534)
     try:
@@ -438,6 +442,8 @@ def _as_unprivileged_user() -> Iterator[None]:
     finally:
         os.seteuid(0)
         os.setegid(0)
+    imported = sorted(set(sys.modules) - before)
+    assert not imported, f"imported while acting as another user: {imported}"
 
 
 @pytest.fixture
@@ -460,6 +466,8 @@ def test_convert_into_a_read_only_folder_is_a_one_line_usage_error(shared_dir: P
     (shared_dir / "a.pt").chmod(0o644)
     (shared_dir / "ro").mkdir()
     (shared_dir / "ro").chmod(0o555)
+    assert main(["ckpt", "convert", str(shared_dir / "a.pt"), str(shared_dir / "b.pt")]) == 0
+    capsys.readouterr()
     with _as_unprivileged_user():
         code = main(["ckpt", "convert", str(shared_dir / "a.pt"), str(shared_dir / "ro" / "b.pt")])
     err = capsys.readouterr().err
@@ -473,6 +481,8 @@ def test_show_of_an_unreadable_file_is_a_one_line_usage_error(shared_dir: Path, 
 
     _dp_checkpoint(shared_dir / "secret.pt")
     (shared_dir / "secret.pt").chmod(0o000)
+    assert main(["ckpt", "show", str(shared_dir / "secret.pt")]) == 0  # root may read it
+    capsys.readouterr()
     with _as_unprivileged_user():
         code = main(["ckpt", "show", str(shared_dir / "secret.pt")])
     err = capsys.readouterr().err

@@ -127,3 +127,29 @@ def test_two_steps_of_one_slurm_job_never_take_the_same_gpu(
     assert (second.returncode, second.stdout) == (0, "4\n")
     assert third.returncode == 4
     assert "claimed by" in third.stderr
+
+
+def test_run_and_pick_inside_a_grant_without_a_qualifying_gpu_say_the_same_of_it(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path
+) -> None:
+    machine = json.loads((machines_dir / f"{A100}.json").read_text())
+    uuids = {g["index"]: g["uuid"] for g in machine["gpus"]}
+    env = _env(machines_dir, tmp_path, CUDA_VISIBLE_DEVICES=f"{uuids[3]},{uuids[5]}")
+    ran = run_cli("run", "--", sys.executable, "-c", "pass", env=env)
+    picked = run_cli("pick", env=env)
+    assert (ran.returncode, picked.returncode) == (4, 4)
+    for done in (ran, picked):
+        assert "granted by CUDA_VISIBLE_DEVICES: 0 of 2 qualify" in done.stderr
+        assert "GPU-" not in done.stderr
+        assert "excluded" not in done.stderr
+
+
+def test_run_on_a_machine_with_a_lost_gpu_starts_on_the_granted_readable_one(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path
+) -> None:
+    env = _env(machines_dir, tmp_path, CUDA_VISIBLE_DEVICES="0")
+    env["GPUKIT_FAKE_NVML"] = str(machines_dir / "kaggle-2xT4-one-lost.json")
+    show = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
+    done = run_cli("run", "--", sys.executable, "-c", show, env=env)
+    assert (done.returncode, done.stdout) == (0, "0\n"), done.stderr
+    assert "numbering" not in done.stderr

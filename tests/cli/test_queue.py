@@ -292,7 +292,10 @@ def test_another_user_than_the_lock_folders_creator_can_claim_queue_and_count_us
     ):
         importlib.import_module(module)
 
-    for key, value in _env(shared_locks).items():
+    # The machine description too: that user may not read this checkout (a 0700 clone).
+    machine = shutil.copy(L4, shared_locks.parent / L4.name)
+    os.chmod(machine, 0o644)
+    for key, value in _env(shared_locks, GPUKIT_FAKE_NVML=str(machine)).items():
         monkeypatch.setenv(key, value)
     root_holds = _holder(shared_locks, "0")
     try:

@@ -356,6 +356,38 @@ def test_the_wait_status_is_one_live_line_on_a_terminal(monkeypatch: pytest.Monk
     assert "\n" not in terminal.getvalue()
 
 
+@pytest.mark.parametrize("columns", [80, 40])
+def test_the_live_wait_status_inside_a_grant_fits_one_terminal_row(
+    monkeypatch: pytest.MonkeyPatch, columns: int
+) -> None:
+    # A line longer than the terminal wraps, and rewritten in place it then prints twice.
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setenv("COLUMNS", str(columns))
+    status = _Status()
+    text = (
+        "waiting for 1 GPU (no process on it, granted GPUs 3,5): 0 of 2 qualify, "
+        "0 for 3 polls in a row; 2 waiters ahead"
+    )
+    status(text)
+    [line] = terminal.getvalue().split("\r\033[K")[1:]
+    assert len(line) <= columns - 1
+    assert line.startswith("waiting f")
+    assert line.endswith("2 waiters ahead [0:00]")
+
+
+def test_a_live_wait_status_that_fits_the_terminal_is_shown_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setenv("COLUMNS", "80")
+    _Status()("waiting for 1 GPU (no process on it): 0 of 2 qualify")
+    assert (
+        terminal.getvalue() == "\r\033[Kwaiting for 1 GPU (no process on it): 0 of 2 qualify [0:00]"
+    )
+
+
 def test_the_wait_status_in_a_log_is_a_plain_line_per_change(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -3,13 +3,15 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
 
 import gpukit as gk
-from gpukit.errors import DeviceError, InvalidArgumentError
+from gpukit.errors import DeviceError, GatherError, InvalidArgumentError
+from tests.refcycles import cyclic_garbage
 
 
 class _Net(nn.Module):
@@ -111,6 +113,30 @@ def test_dict_outputs_and_scalar_losses_are_gathered() -> None:
     out = gk.DataParallel(Scored(), device_ids=["cpu"] * 2)(torch.ones(4, 1))
     assert out["y"].shape == (4, 1)
     assert torch.equal(out["loss"], torch.tensor([2.0, 2.0]))
+
+
+def test_replicas_returning_a_dict_and_an_ordered_dict_is_a_gather_error() -> None:
+    class Mixed(nn.Module):
+        """Returns an OrderedDict for the chunk of one sample and a dict for the others."""
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return OrderedDict(y=x) if len(x) == 1 else {"y": x}
+
+    with pytest.raises(GatherError, match="different types at outputs: OrderedDict, dict"):
+        gk.DataParallel(Mixed(), device_ids=["cpu"] * 2)(torch.ones(3, 1))
+
+
+@pytest.mark.parametrize("batch", [1, 6], ids=["one chunk", "three chunks"])
+def test_building_and_a_training_step_leave_no_reference_cycles(batch: int) -> None:
+    # PyTorch's own DataParallel test: wrap, run forward, and find nothing for the collector.
+    def step() -> None:
+        net = gk.DataParallel(
+            nn.Sequential(nn.Linear(1, 4), nn.BatchNorm1d(4)), ["cpu"] * 3, min_chunk=2
+        )
+        net(torch.randn(batch * 2, 1)).sum().backward()
+        net(torch.randn(batch * 2, 1)).sum().backward()
+
+    assert cyclic_garbage(step) == 0
 
 
 def test_module_gives_the_wrapped_module_and_state_dict_keys_carry_its_prefix() -> None:

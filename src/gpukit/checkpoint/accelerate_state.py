@@ -76,7 +76,8 @@ class AccelerateState:
                     tensor.copy_(content[key])
 
     def _read_entry(self, name: str, trust: bool) -> Any:
-        return read_file(self.others[name], target=torch.device("cpu"), trust=trust).content
+        path = self.others[name]
+        return read_file(path, target=torch.device("cpu"), trust=trust, folder=self.folder).content
 
     def read_all(self, *, trust: bool, only: Collection[str] | None = None) -> dict[str, Any]:
         """The weights under ``"model"`` and every other entry, read (``only``: those entries).
@@ -116,7 +117,9 @@ class AccelerateState:
 def open_accelerate_state(folder: Path, names: Collection[str], *, trust: bool) -> AccelerateState:
     """Read the first model's file of a ``save_state`` folder; name the other files."""
     weights_name = next(name for name in _WEIGHTS_NAMES if name in names)
-    weights = read_file(folder / weights_name, target=torch.device("cpu"), trust=trust)
+    weights = read_file(
+        folder / weights_name, target=torch.device("cpu"), trust=trust, folder=folder
+    )
     others = {
         _stem(name): folder / name
         for name in sorted(names)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from gpukit.checkpoint.paths import kind_of
 from gpukit.errors import CheckpointError
 
 __all__ = ["TMP_SUFFIX", "atomic_folder", "atomic_write", "write_durable"]
@@ -160,11 +161,12 @@ def write_durable(path: Path, write: Callable[[BinaryIO], object]) -> None:
         os.fsync(handle.fileno())
 
 
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2 with ``flags``; False where unsupported (other systems, old kernels)."""
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:
         return False
@@ -173,7 +175,7 @@ def _exchange(a: Path, b: Path) -> bool:
     if renameat2 is None:
         return False
     at_fdcwd = -100
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
         return True
     code = ctypes.get_errno()
     if code in (
@@ -185,13 +187,73 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _changed(target: Path, info: os.stat_result | None) -> CheckpointError:
+    what = "something" if info is None else f"a {kind_of(info.st_mode)}"
+    return CheckpointError(
+        f"Cannot save {target}: {what} was put at that path while the checkpoint was being "
+        "written; it was left as it is and nothing of this save was kept.",
+        hint="Save into a folder that only you can write, or remove what is there and save again.",
+    )
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return path.lstat()
+    except FileNotFoundError:
+        return None
+
+
+def _move_in(tmp: Path, target: Path) -> None:
+    """Put the new folder ``tmp`` at ``target``, which was free: never over anything else."""
+    try:
+        if not _renameat2(tmp, target, _RENAME_NOREPLACE):
+            if _lstat(target) is not None:
+                raise _changed(target, _lstat(target))
+            os.rename(tmp, target)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY):
+            raise _changed(target, _lstat(target)) from None
+        raise
+
+
+def _swap_in(tmp: Path, target: Path, before: os.stat_result) -> None:
+    """Swap the new folder ``tmp`` with the old folder at ``target``, then remove the old one.
+
+    Only a real folder (the one checked, by inode) is ever removed: should a link or anything
+    else have taken its place, it is swapped back untouched and the save refused.
+    """
+    parent = target.parent
+    if _exchange(tmp, target):
+        old = tmp
+    else:
+        old = parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        os.rename(target, old)
+        os.rename(tmp, target)
+    found = _lstat(old)
+    if found is None or not stat.S_ISDIR(found.st_mode) or found.st_ino != before.st_ino:
+        if old == tmp:
+            _exchange(tmp, target)
+        else:
+            os.rename(target, tmp)
+            os.rename(old, target)
+        raise _changed(target, found)
+    shutil.rmtree(old)
+
+
 def atomic_folder(target: Path, fill: Callable[[Path], None]) -> None:
     """Build a folder with ``fill`` next to ``target``, then put it in place as a whole.
 
     ``fill`` gets an empty folder to write into. An existing ``target`` is swapped with the new
     folder in one step (Linux ``renameat2``), then removed, so a crash at any moment leaves the
     old folder or the new one. Where the swap is not supported, the old folder is moved aside
-    first; a crash between the two renames then leaves it under a ``.gpukit-tmp`` name.
+    first; a crash between the two renames then leaves it under a ``.gpukit-tmp`` name. A link
+    or file put at ``target`` while the folder is built (in a folder others can write) is never
+    followed, replaced or removed: the save is refused and its temporary folder removed.
     """
     parent = target.parent
     _remove_stale(target)
@@ -205,16 +267,15 @@ def atomic_folder(target: Path, fill: Callable[[Path], None]) -> None:
     try:
         fill(tmp)
         _fsync_folder(tmp)
-        if not target.exists():
-            os.rename(tmp, target)
-        elif _exchange(tmp, target):
-            shutil.rmtree(tmp)  # now the old folder
+        before = _lstat(target)
+        if before is None:
+            _move_in(tmp, target)
+        elif stat.S_ISDIR(before.st_mode):
+            _swap_in(tmp, target, before)
         else:
-            aside = parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-            os.rename(target, aside)
-            os.rename(tmp, target)
-            shutil.rmtree(aside)
+            raise _changed(target, before)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if (found := _lstat(tmp)) is not None and stat.S_ISDIR(found.st_mode):
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_folder(parent)

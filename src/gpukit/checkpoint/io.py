@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import json
+import os
 import pickle
 import re
 import stat
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from gpukit.checkpoint.paths import check_input
+from gpukit import untrusted
+from gpukit.checkpoint.paths import check_input, fd_path, open_content
 from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
 
 __all__ = [
@@ -61,15 +62,19 @@ def _safetensors_header(head: bytes, limit: int = 100 << 20) -> bool:
     return 0 < length <= limit and head[8:9] == b"{"
 
 
-def file_format(path: Path) -> str:
+def file_format(path: Path, *, folder: Path | None = None) -> str:
     """What the bytes of ``path`` are: ``safetensors``, ``torch`` (zip or legacy), or a guess.
 
     Anything but the first two is a short description used in error messages (``empty``,
-    ``text``, ``zip archive``, ``unknown``).
+    ``text``, ``zip archive``, ``unknown``). ``folder``: the checkpoint folder ``path`` is
+    part of (its links must stay inside it, see :func:`~gpukit.checkpoint.paths.open_content`).
     """
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        head = handle.read(64)
+    fd = open_content(path, folder=folder)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.read(fd, 64)
+    finally:
+        os.close(fd)
     if size == 0:
         return "empty"
     if head.startswith(b"PK\x03\x04"):
@@ -152,13 +157,13 @@ def _missing_code(path: Path, what: str) -> CheckpointError:
 
 
 def _read_torch(
-    path: Path, target: torch.device | None, trust: bool
+    path: Path, target: torch.device | None, trust: bool, folder: Path | None
 ) -> tuple[Any, _LocationRecorder]:
     recorder = _LocationRecorder(target)
     try:
         # An open file, not the path: torch picks safetensors from a ".safetensors" name, and
         # the bytes have already said this is a torch file.
-        with path.open("rb") as handle:
+        with os.fdopen(open_content(path, folder=folder), "rb") as handle:
             content = torch.load(handle, map_location=recorder, weights_only=not trust)
     except pickle.UnpicklingError as exc:
         if not trust and "Weights only load failed" in str(exc):
@@ -175,6 +180,8 @@ def _read_torch(
         # Classes of a script run as __main__ are looked up in whatever __main__ loads the file.
         where = "the script that saved it" if module.endswith("__main__") else module
         raise _missing_code(path, f"{name} (from {where})") from None
+    except CheckpointError:
+        raise
     except Exception as exc:
         # Whatever else a damaged file makes torch's readers raise: RuntimeError, EOFError,
         # and from a pickle cut short or altered IndexError, struct.error, AssertionError...
@@ -182,27 +189,37 @@ def _read_torch(
     return content, recorder
 
 
-def _read_safetensors(path: Path, target: torch.device | None) -> tuple[Any, dict[str, str]]:
+def _read_safetensors(
+    path: Path, target: torch.device | None, folder: Path | None
+) -> tuple[Any, dict[str, str]]:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     device = "cpu" if target is None else str(target)
+    fd = open_content(path, folder=folder)
+    name = fd_path(fd, path)  # the file opened and checked, not a second lookup of its name
     try:
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(name, framework="pt") as handle:
             metadata = handle.metadata() or {}
-        tensors = load_file(str(path), device=device)
+        tensors = load_file(name, device=device)
     except Exception as exc:  # safetensors raises its own (Rust) error types
         raise unreadable_error(path, SAFETENSORS, exc) from None
+    finally:
+        os.close(fd)
     return tensors, metadata
 
 
 def unreadable_error(path: Path, fmt: str, exc: BaseException) -> CheckpointError:
     """The error for a file of format ``fmt`` that cannot be read: cut short, or damaged."""
-    size = path.stat().st_size
     reason = (str(exc).split(". ")[0].splitlines() or [type(exc).__name__])[0].rstrip(".")
-    with path.open("rb") as handle:
-        head = handle.read(16)
-    if fmt == TORCH and head.startswith(b"PK") and not zipfile.is_zipfile(path):
+    try:
+        with os.fdopen(untrusted.open_regular(path, follow=True), "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            head = handle.read(16)
+            whole_zip = zipfile.is_zipfile(handle)
+    except (OSError, untrusted.InvalidInput):  # gone or replaced since: say what was known
+        size, head, whole_zip = 0, b"", True
+    if fmt == TORCH and head.startswith(b"PK") and not whole_zip:
         what = "is a torch.save zip archive cut short (its central directory is missing)"
     elif fmt == SAFETENSORS and _safetensors_header(head, 1 << 62):
         (length,) = struct.unpack("<Q", head[:8])
@@ -223,32 +240,87 @@ def unreadable_error(path: Path, fmt: str, exc: BaseException) -> CheckpointErro
 
 
 def gpukit_metadata(content: Any, raw_meta: dict[str, str]) -> dict[str, Any]:
-    """The metadata gk.save recorded, from a torch object or a safetensors header."""
-    if "gpukit" in raw_meta:
-        with contextlib.suppress(ValueError):
-            loaded = json.loads(raw_meta["gpukit"])
-            if isinstance(loaded, dict):
-                return loaded
+    """The metadata gk.save recorded, from a torch object or a safetensors header.
+
+    Written by whoever made the file: the fields gpukit uses are kept only with the types
+    gk.save writes (strings printable, lists of strings, ``tied`` a mapping of names), so that
+    no reader of the result meets an integer where it expects a list.
+    """
+    if type(raw_meta.get("gpukit")) is str:
+        with contextlib.suppress(untrusted.InvalidInput):
+            loaded = untrusted.parse_json(raw_meta["gpukit"], limit=1 << 24)
+            if type(loaded) is dict:
+                return _checked_info(loaded)
     found = getattr(content, "_gpukit_metadata", None)
-    return dict(found) if isinstance(found, dict) else {}
+    return _checked_info(found) if type(found) is dict else {}
 
 
-def read(path: Path, *, target: torch.device | None, trust: bool) -> RawCheckpoint:
-    """Read a checkpoint file of either format, mapping tensors to ``target`` (None: CPU)."""
-    if stat.S_ISDIR(check_input(path).st_mode):
+_TEXT_FIELDS = ("gpukit_version", "torch_version", "format")
+_LIST_FIELDS = ("wrappers_removed", "prefixes_removed", "devices")
+
+
+def _checked_info(found: dict[Any, Any]) -> dict[str, Any]:
+    info = {k: v for k, v in found.items() if type(k) is str}
+    for name in _TEXT_FIELDS:
+        if name in info and (text := untrusted.printable(info[name], limit=200)) is not None:
+            info[name] = text
+        else:
+            info.pop(name, None)
+    for name in _LIST_FIELDS:
+        values = info.pop(name, None)
+        if type(values) is list and all(type(v) is str for v in values):
+            info[name] = [untrusted.printable(v, limit=200) or "?" for v in values[:256]]
+    tied = info.pop("tied", None)
+    if type(tied) is dict and all(type(k) is str and type(v) is str for k, v in tied.items()):
+        info["tied"] = tied
+    if type(info.get("metadata")) is dict:
+        info["metadata"] = _printable_tree(info["metadata"], 0)
+    else:
+        info.pop("metadata", None)
+    return info
+
+
+def _printable_tree(value: Any, depth: int) -> Any:
+    """The user metadata gk.save recorded, every string printable (it reaches terminals),
+    nested at most :data:`~gpukit.untrusted.DEPTH` deep, plain JSON types only."""
+    if type(value) is str:
+        return untrusted.printable(value, limit=1000) or ""
+    if depth >= untrusted.DEPTH:
+        return None
+    if type(value) is dict:
+        return {
+            untrusted.printable(k, limit=200) or "?": _printable_tree(v, depth + 1)
+            for k, v in value.items()
+            if type(k) is str
+        }
+    if type(value) is list:
+        return [_printable_tree(v, depth + 1) for v in value]
+    return value if type(value) in (int, float, bool) or value is None else None
+
+
+def read(
+    path: Path, *, target: torch.device | None, trust: bool, folder: Path | None = None
+) -> RawCheckpoint:
+    """Read a checkpoint file of either format, mapping tensors to ``target`` (None: CPU).
+
+    ``folder``: the checkpoint folder the file was found in (its links must stay inside it);
+    None for a file the user named.
+    """
+    info = check_input(path)
+    if stat.S_ISDIR(info.st_mode):
         raise CheckpointError(
             f"{path} is a folder, not a checkpoint file.",
             hint="Pass the file inside it (*.pt, *.pth or *.safetensors).",
         )
-    fmt = file_format(path)
-    size = path.stat().st_size
+    fmt = file_format(path, folder=folder)
+    size = info.st_size
     if fmt == SAFETENSORS:
-        content, raw_meta = _read_safetensors(path, target)
+        content, raw_meta = _read_safetensors(path, target, folder)
         meta = gpukit_metadata(content, raw_meta)
         devices = list(meta.get("devices", [])) or ["cpu"]
         return RawCheckpoint(path, fmt, content, devices, meta, size)
     if fmt == TORCH:
-        content, recorder = _read_torch(path, target, trust)
+        content, recorder = _read_torch(path, target, trust, folder)
         meta = gpukit_metadata(content, {})
         return RawCheckpoint(path, fmt, content, recorder.seen, meta, size, recorder.by_pointer)
     raise CheckpointError(

@@ -10,7 +10,7 @@ tensors, and which reads the real tensors on demand, one shard at a time.
 
 from __future__ import annotations
 
-import json
+import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gpukit import untrusted
 from gpukit.checkpoint.accelerate_state import (
     WEIGHTS_ENTRY,
     AccelerateState,
@@ -29,8 +30,8 @@ from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_
 from gpukit.checkpoint.io import SAFETENSORS, TORCH, RawCheckpoint, file_format, gpukit_metadata
 from gpukit.checkpoint.io import read as read_file
 from gpukit.checkpoint.keys import FoundWeights
-from gpukit.checkpoint.paths import check_input
-from gpukit.checkpoint.sharded import INDEX_NAMES, ShardedFolder, open_index
+from gpukit.checkpoint.paths import check_input, open_content
+from gpukit.checkpoint.sharded import INDEX_LIMIT, INDEX_NAMES, ShardedFolder, open_index
 from gpukit.errors import CheckpointError
 
 __all__ = ["SHARDED_SAFETENSORS", "FolderCheckpoint", "StoredObject", "open_checkpoint"]
@@ -164,22 +165,29 @@ def _accelerate(folder: Path, names: list[str], trust: bool) -> FolderCheckpoint
     return FolderCheckpoint(folder, ACCELERATE, content, found, found.files, meta, devices, stored)
 
 
-def _is_index(path: Path) -> bool:
+def _is_index(path: Path, folder: Path | None = None) -> bool:
+    # Opened as all checkpoint content is (a FIFO named config.json is refused, not waited
+    # on); a JSON file that is too large or malformed is just not an index.
+    fd = open_content(path, folder=folder)
     try:
-        with path.open("rb") as handle:
-            if handle.read(1) != b"{":
-                return False
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        if os.read(fd, 1) != b"{":
+            return False
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = untrusted.parse_json(untrusted.read_bounded(fd, INDEX_LIMIT), limit=INDEX_LIMIT)
+    except (OSError, untrusted.InvalidInput):
         return False
-    return isinstance(data, dict) and isinstance(data.get("weight_map"), dict)
+    finally:
+        os.close(fd)
+    return type(data) is dict and type(data.get("weight_map")) is dict
 
 
 def _folder(folder: Path, trust: bool) -> FolderCheckpoint | RawCheckpoint:
     if is_dcp_folder(folder):
         return _dcp(folder)
     names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
-    indexes = [name for name in names if name.endswith(".json") and _is_index(folder / name)]
+    indexes = [
+        name for name in names if name.endswith(".json") and _is_index(folder / name, folder)
+    ]
     # Hugging Face's loaders prefer safetensors when a folder has both layouts.
     for preferred in INDEX_NAMES:
         if preferred in indexes:
@@ -199,12 +207,14 @@ def _folder(folder: Path, trust: bool) -> FolderCheckpoint | RawCheckpoint:
         info = path.lstat()
         if stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode):
             try:
-                if file_format(path) in (SAFETENSORS, TORCH):
+                if file_format(path, folder=folder) in (SAFETENSORS, TORCH):
                     singles.append(name)
             except OSError:
                 continue
     if len(singles) == 1:
-        return read_file(folder / singles[0], target=torch.device("cpu"), trust=trust)
+        return read_file(
+            folder / singles[0], target=torch.device("cpu"), trust=trust, folder=folder
+        )
     if singles:
         raise CheckpointError(
             f"{folder} holds several checkpoint files ({', '.join(singles[:6])}) and no index "
@@ -226,7 +236,7 @@ def open_checkpoint(
     if stat.S_ISDIR(info.st_mode):
         found = _folder(path, trust)
         if isinstance(found, RawCheckpoint) and target is not None and target.type != "cpu":
-            return read_file(found.path, target=target, trust=trust)
+            return read_file(found.path, target=target, trust=trust, folder=path)
         return found
     if path.name == METADATA_NAME and is_dcp_folder(path.parent):
         return _dcp(path.parent)

@@ -14,15 +14,18 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from gpukit import untrusted
 from gpukit.errors import CheckpointError
 
 __all__ = [
     "check_input",
     "check_output_file",
     "check_output_folder",
+    "fd_path",
     "fs_error",
     "kind_of",
     "make_parents",
+    "open_content",
     "parents_to_make",
 ]
 
@@ -247,3 +250,71 @@ def make_parents(path: Path) -> None:
         os.makedirs(path.parent, exist_ok=True)
     except OSError as exc:
         raise fs_error(path.parent, exc, "create the folder") from None
+
+
+# Hugging Face's cache: <cache>/models--org--name/snapshots/<revision>/<file> is a link into
+# <cache>/models--org--name/blobs/.
+_HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+def _link_roots(folder: Path) -> list[str]:
+    """Where links inside ``folder`` may lead: the folder itself and, for a Hugging Face cache
+    snapshot, its repository's ``blobs/``."""
+    real = os.path.realpath(folder)
+    roots = [real]
+    parts = Path(real).parts
+    for i in range(len(parts) - 1):
+        if parts[i].startswith(_HF_REPO_PREFIXES) and parts[i + 1] == "snapshots":
+            roots.append(os.path.join(*parts[: i + 1], "blobs"))
+    return roots
+
+
+def _opened_at(fd: int, path: Path) -> str:
+    # The kernel's name of what was opened: no second lookup that a swapped link could change.
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # pragma: no cover - no /proc (not Linux)
+        return os.path.realpath(path)
+
+
+def _inside(target: str, root: str) -> bool:
+    return target == root or target.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def open_content(path: Path, *, folder: Path | None = None) -> int:
+    """A read-only descriptor of the checkpoint file ``path``: a regular file, opened without
+    blocking; anything else is a :class:`~gpukit.errors.CheckpointError` naming it.
+
+    ``folder`` is the checkpoint folder that holds ``path`` (None for a path the user named,
+    whose links are the user's own choice). A link inside the folder is followed only to a file
+    inside the same folder or, in a Hugging Face cache snapshot, into its repository's
+    ``blobs/``: a stranger's folder cannot make gpukit read another file of the user's.
+    The caller closes the descriptor.
+    """
+    try:
+        fd = untrusted.open_regular(path, follow=True)
+    except untrusted.InvalidInput as exc:
+        raise CheckpointError(
+            f"{path} is {exc}: refused as part of a checkpoint.",
+            hint="A checkpoint is made of regular files; replace it with the real file.",
+        ) from None
+    except OSError as exc:
+        raise fs_error(path, exc, "read") from None
+    if folder is None:
+        return fd
+    target = _opened_at(fd, path)
+    if not any(_inside(target, root) for root in _link_roots(folder)):
+        os.close(fd)
+        raise CheckpointError(
+            f"{path} is a link to {target}, outside the checkpoint folder {folder}: refused.",
+            hint="A checkpoint folder's links may point only inside it (or, in a Hugging Face "
+            "cache, into its blobs/). Copy the file into the folder, or pass that file itself.",
+        )
+    return fd
+
+
+def fd_path(fd: int, path: Path) -> str:
+    """A name that opens the very file behind ``fd`` (``/proc/self/fd/N``), for readers that
+    take only a name (safetensors, memory-mapped torch.load); ``path`` where there is no /proc."""
+    name = f"/proc/self/fd/{fd}"
+    return name if os.path.exists(name) else str(path)

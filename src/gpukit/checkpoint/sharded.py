@@ -11,6 +11,7 @@ shard at a time (safetensors memory-mapped) straight into the model's tensors.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections.abc import Callable, Mapping
@@ -21,11 +22,15 @@ from typing import Any
 
 import torch
 
-from gpukit.checkpoint.paths import check_input, fs_error
+from gpukit import untrusted
+from gpukit.checkpoint.paths import fd_path, fs_error, open_content
 from gpukit.checkpoint.safetensors_format import DTYPES, write_safetensors
 from gpukit.errors import CheckpointError, InvalidArgumentError
+from gpukit.untrusted import InvalidInput
 
 __all__ = [
+    "HEADER_LIMIT",
+    "INDEX_LIMIT",
     "INDEX_NAMES",
     "SAFETENSORS_INDEX",
     "ShardedFolder",
@@ -51,6 +56,12 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+HEADER_LIMIT = 100_000_000
+"""The largest safetensors header read: safetensors itself refuses larger ones."""
+INDEX_LIMIT = 100_000_000
+"""The largest index file read (a 400B-parameter model's is a few megabytes)."""
+_MAX_ENTRIES = 1 << 22
+_MAX_DIMS = 64
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -135,39 +146,52 @@ def _bad_index(index: Path, what: str) -> CheckpointError:
     )
 
 
-def open_index(index: Path, *, trust: bool) -> ShardedFolder:
-    """Read and check an index file and every shard it names (headers only for safetensors)."""
+def read_index(index: Path) -> dict[str, Any]:
+    """The parsed index file (bounded, depth-checked JSON object), or a CheckpointError."""
+    fd = open_content(index, folder=index.parent)
     try:
-        data = json.loads(index.read_bytes())
+        data = untrusted.parse_json(untrusted.read_bounded(fd, INDEX_LIMIT), limit=INDEX_LIMIT)
     except OSError as exc:
         raise fs_error(index, exc, "read") from None
-    except ValueError as exc:
-        raise _bad_index(index, f"it is not JSON ({exc})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
+    except InvalidInput as exc:
+        raise _bad_index(index, f"it is not an index gpukit reads ({exc})") from None
+    finally:
+        os.close(fd)
+    if type(data) is not dict:
+        raise _bad_index(index, "it is not a JSON object")
+    return data
+
+
+def open_index(index: Path, *, trust: bool) -> ShardedFolder:
+    """Read and check an index file and every shard it names (headers only for safetensors)."""
+    data = read_index(index)
+    try:
+        weight_map = untrusted.as_dict(data.get("weight_map"), limit=_MAX_ENTRIES)
+    except InvalidInput:
+        raise _bad_index(index, "it has no weight_map") from None
+    if not weight_map:
         raise _bad_index(index, "it has no weight_map")
     by_file: dict[str, list[str]] = {}
     for key, name in weight_map.items():
         # Shard names are plain file names next to the index: never a path elsewhere.
         if (
-            not isinstance(name, str)
+            type(name) is not str
             or not name
+            or len(name) > 255
             or "/" in name
             or "\\" in name
-            or name
-            in {
-                ".",
-                "..",
-            }
+            or not name.isprintable()
+            or name in {".", ".."}
         ):
-            raise _bad_index(index, f"{key!r} points at {name!r}, not a file next to the index")
-        by_file.setdefault(name, []).append(str(key))
+            shown = untrusted.printable(name) if type(name) is str else type(name).__name__
+            raise _bad_index(index, f"{key!r} points at {shown!r}, not a file next to the index")
+        by_file.setdefault(name, []).append(key)
     meta = data.get("metadata")
-    total = meta.get("total_size") if isinstance(meta, dict) else None
+    total = meta.get("total_size") if type(meta) is dict else None
     fmt = INDEX_NAMES.get(index.name) or _format_of_names(list(by_file))
     shards = [Shard(index.parent / name, keys) for name, keys in sorted(by_file.items())]
     folder = ShardedFolder(
-        index.parent, index, fmt, shards, total if isinstance(total, int) else None
+        index.parent, index, fmt, shards, total if type(total) is int and total >= 0 else None
     )
     for shard in shards:
         shard.size = _check_shard_file(folder, shard)
@@ -201,7 +225,11 @@ def _check_shard_file(folder: ShardedFolder, shard: Shard) -> int:
             f"{shard.path} is missing: {folder.index} lists it as a shard of this checkpoint.",
             hint="Copy or download the whole folder again; every shard is needed.",
         )
-    return check_input(shard.path).st_size
+    fd = open_content(shard.path, folder=folder.folder)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _cut_short(path: Path, size: int, needed: int) -> CheckpointError:
@@ -211,56 +239,121 @@ def _cut_short(path: Path, size: int, needed: int) -> CheckpointError:
     )
 
 
+def _malformed(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} has a malformed safetensors header: {what}.",
+        hint="Fetch the shard again, or convert it with safetensors' own tools.",
+    )
+
+
+def _read_exactly(fd: int, count: int) -> bytes:
+    chunks: list[bytes] = []
+    left = count
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def _safetensors_header(
     path: Path, size: int
 ) -> tuple[dict[str, tuple[list[int], torch.dtype]], dict[str, str]]:
+    """A shard's tensors (shape, dtype) and metadata, from its header, every field checked:
+    a known dtype, a shape of non-negative sizes whose bytes are exactly the tensor's span of
+    the data, and that span inside the file."""
+    fd = open_content(path, folder=path.parent)
     try:
-        with path.open("rb") as handle:
-            head = handle.read(8)
-            if len(head) < 8:
-                raise _cut_short(path, size, 8)
-            (length,) = struct.unpack("<Q", head)
-            if 8 + length > size:
-                raise _cut_short(path, size, 8 + length)
-            header = json.loads(handle.read(length))
+        head = _read_exactly(fd, 8)
+        if len(head) < 8:
+            raise _cut_short(path, size, 8)
+        (length,) = struct.unpack("<Q", head)
+        if length > HEADER_LIMIT:
+            raise _malformed(path, f"it claims {length} bytes, more than {HEADER_LIMIT}")
+        if 8 + length > size:
+            raise _cut_short(path, size, 8 + length)
+        raw = _read_exactly(fd, length)
     except OSError as exc:
         raise fs_error(path, exc, "read") from None
-    except ValueError:
+    finally:
+        os.close(fd)
+    if len(raw) < length:
+        raise _cut_short(path, size, 8 + length)
+    try:
+        header = untrusted.as_dict(untrusted.parse_json(raw, limit=length), limit=_MAX_ENTRIES)
+        metadata = _header_metadata(header.pop("__metadata__", None))
+    except InvalidInput as exc:
         raise CheckpointError(
-            f"{path} is not a safetensors file: its header is not JSON.",
+            f"{path} is not a safetensors file gpukit reads: its header is refused ({exc}).",
             hint="The shard is corrupted or of another format; fetch it again.",
         ) from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} has a malformed safetensors header.", hint="Fetch it again.")
-    metadata = header.pop("__metadata__", None) or {}
     tensors: dict[str, tuple[list[int], torch.dtype]] = {}
     end = 0
     for key, info in header.items():
         try:
-            dtype = _FROM_CODE[info["dtype"]]
-            shape = [int(n) for n in info["shape"]]
-            end = max(end, int(info["data_offsets"][1]))
-        except (KeyError, TypeError, ValueError, IndexError):
+            tensors[key], stop = _header_entry(info)
+        except InvalidInput as exc:
             raise CheckpointError(
-                f"{path} has a malformed or unsupported safetensors entry for {key!r}.",
+                f"{path} has a malformed or unsupported safetensors entry for {key!r} ({exc}).",
                 hint="Fetch the shard again, or convert it with safetensors' own tools.",
             ) from None
-        tensors[key] = (shape, dtype)
+        end = max(end, stop)
     if 8 + length + end > size:
         raise _cut_short(path, size, 8 + length + end)
-    return tensors, {str(k): str(v) for k, v in dict(metadata).items()}
+    return tensors, metadata
+
+
+def _header_metadata(value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    found = untrusted.as_dict(value, what="__metadata__")
+    for text in found.values():
+        untrusted.as_str(text, limit=HEADER_LIMIT, what="a __metadata__ value")
+    return dict(found)
+
+
+def _header_entry(info: object) -> tuple[tuple[list[int], torch.dtype], int]:
+    """One header entry's (shape, dtype) and the end of its data, or InvalidInput."""
+    entry = untrusted.as_dict(info, what="the entry")
+    dtype = _FROM_CODE.get(untrusted.as_str(entry.get("dtype"), limit=16, what="dtype"))
+    if dtype is None:
+        raise InvalidInput("its dtype is not one gpukit knows")
+    shape = [
+        untrusted.as_int(n, high=1 << 62, what="a size")
+        for n in untrusted.as_list(entry.get("shape"), limit=_MAX_DIMS, what="shape")
+    ]
+    offsets = untrusted.as_list(entry.get("data_offsets"), limit=2, what="data_offsets")
+    if len(offsets) != 2:
+        raise InvalidInput("data_offsets is not [begin, end]")
+    begin, stop = (untrusted.as_int(n, high=1 << 62, what="an offset") for n in offsets)
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+        if nbytes > stop:
+            break
+    if begin > stop or nbytes != stop - begin:
+        raise InvalidInput("its shape and dtype do not match its data_offsets")
+    return (shape, dtype), stop
 
 
 def _load_torch_shard(path: Path, trust: bool) -> dict[str, Any]:
     from gpukit.checkpoint.io import TORCH, unreadable_error, untrusted_error
 
+    fd = open_content(path, folder=path.parent)
     try:
-        # mmap: the shard's tensors stay on disk until copied, one shard at a time.
-        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=not trust)
+        # mmap: the shard's tensors stay on disk until copied, one shard at a time. The name
+        # given is that of the file already opened and checked.
+        loaded = torch.load(
+            fd_path(fd, path), map_location="cpu", mmap=True, weights_only=not trust
+        )
     except Exception as exc:
         if not trust and "Weights only load failed" in str(exc):
             raise untrusted_error(path, exc) from None
         raise unreadable_error(path, TORCH, exc) from None
+    finally:
+        os.close(fd)
     if not isinstance(loaded, dict):
         raise CheckpointError(
             f"{path} holds a {type(loaded).__name__}, not a shard (a dict of tensors).",
@@ -280,8 +373,9 @@ def _read_shard(
         if folder.format == "safetensors":
             from safetensors import safe_open
 
+            fd = open_content(shard.path, folder=folder.folder)
             try:
-                with safe_open(str(shard.path), framework="pt", device="cpu") as handle:
+                with safe_open(fd_path(fd, shard.path), framework="pt", device="cpu") as handle:
                     for key in wanted:
                         value = handle.get_tensor(key)
                         for target in targets[key]:
@@ -290,10 +384,13 @@ def _read_shard(
             except CheckpointError:
                 raise
             except Exception as exc:  # safetensors raises its own (Rust) error types
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0]
                 raise CheckpointError(
-                    f"{shard.path} cannot be read ({exc}).",
+                    f"{shard.path} cannot be read ({reason}).",
                     hint="The shard is probably corrupted; fetch it again.",
                 ) from None
+            finally:
+                os.close(fd)
             return
         state = _load_torch_shard(shard.path, trust)
         for key in wanted:

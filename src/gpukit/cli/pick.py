@@ -12,7 +12,7 @@ import argparse
 from gpukit.cli._criteria import add_criteria, criteria_from
 from gpukit.cli._output import print_error, print_json, say_if_fake
 from gpukit.errors import GpukitError
-from gpukit.gpus.select import choose
+from gpukit.gpus.select import choose, within_grant
 
 SCHEMA = "gpukit.pick/1"
 
@@ -33,14 +33,16 @@ def run(args: argparse.Namespace) -> int:
     """Print the chosen NVML indices, comma separated (or JSON); exit 4 when too few qualify."""
     from gpukit.gpus.claims import current_claims
     from gpukit.gpus.inventory import inventory
-    from gpukit.gpus.visible import granted_inventory, visible_devices
+    from gpukit.gpus.visible import visible_devices
 
     criteria = criteria_from(args)
     say_if_fake("pick")
     machine = inventory()
     claims = current_claims()
     try:
-        inv = machine if args.all_gpus else granted_inventory(machine, args.gpus)
+        inv = machine
+        if not args.all_gpus:
+            inv, criteria = within_grant(machine, args.gpus, criteria)
         gpus = choose(inv, args.gpus, criteria, order=args.order, claims=claims)
     except GpukitError as exc:
         return print_error("pick", exc)

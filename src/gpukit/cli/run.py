@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -131,7 +132,8 @@ class _Status:
     def __call__(self, text: str) -> None:
         if self.live:
             elapsed = int(time.monotonic() - self.start)
-            sys.stderr.write(f"\r\033[K{text} [{elapsed // 60}:{elapsed % 60:02d}]")
+            clock = f" [{elapsed // 60}:{elapsed % 60:02d}]"
+            sys.stderr.write(f"\r\033[K{_fit(text, _columns() - 1 - len(clock))}{clock}")
             sys.stderr.flush()
         elif text != self.last:
             print(f"gpukit run: {text}", file=sys.stderr, flush=True)
@@ -147,6 +149,23 @@ class _Status:
     def done(self, text: str) -> None:
         self.clear()
         print(f"gpukit run: {text}", file=sys.stderr, flush=True)
+
+
+def _columns() -> int:
+    """The terminal's width (``$COLUMNS`` first, as for every terminal program; else 80)."""
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, cut in the middle: its start says what is
+    waited for, its end how many GPUs qualify. A live line longer than the terminal wraps,
+    and rewriting it in place then leaves the rows above it on the screen."""
+    if len(text) <= width:
+        return text
+    if width < 5:
+        return text[: max(width, 0)]
+    head = (width - 3) // 3  # "..." and not an ellipsis character: any terminal shows it
+    return f"{text[:head]}...{text[len(text) - (width - 3 - head) :]}"
 
 
 def _cpu_only(args: argparse.Namespace, cmd: list[str], reason: NoDriverError) -> int:

@@ -22,9 +22,16 @@ from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError, chec
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.policy import holdings, load_policy
-from gpukit.gpus.select import ORDERS, Criteria, Order, assess, check_user_limit, choose
+from gpukit.gpus.select import (
+    ORDERS,
+    Criteria,
+    Order,
+    assess,
+    check_user_limit,
+    choose,
+    within_grant,
+)
 from gpukit.gpus.select import no_gpu_error as _no_gpu_error
-from gpukit.gpus.visible import granted_inventory
 from gpukit.gpus.waiting import wait_and_claim
 from gpukit.untrusted import MAX_SECONDS
 
@@ -159,7 +166,8 @@ def acquire(
     inv = read()
     criteria.check_exclude(inv)
     if not all_gpus:
-        criteria = _granted_only(inv, n, criteria)
+        inv, criteria = within_grant(inv, n, criteria)
+        read = _granted_reader(read, criteria, inv)
     if wait or limit is not None:
         return wait_and_claim(
             n,
@@ -198,12 +206,20 @@ def acquire(
     raise AssertionError("unreachable")
 
 
-def _granted_only(inv: Inventory, n: int, criteria: Criteria) -> Criteria:
-    """``criteria`` that also exclude every GPU the scheduler or the user did not grant.
+def _granted_reader(
+    read: Callable[[], Inventory], criteria: Criteria, first: Inventory
+) -> Callable[[], Inventory]:
+    """``read`` narrowed to the granted GPUs, giving ``first`` (already read) once first.
 
-    Raises NoGpuAvailableError when fewer than ``n`` are granted, VisibleDevicesError when the
-    grant cannot be mapped to NVML's GPUs exactly.
+    A waiter then counts and describes the GPUs its job may use ("0 of 2 qualify"), as
+    ``gpukit pick`` does, not every GPU of the machine.
     """
-    granted = granted_inventory(inv, n)
-    others = tuple(g.uuid for g in inv.gpus if g not in granted.gpus)
-    return replace(criteria, exclude=(*criteria.exclude, *others)) if others else criteria
+    if criteria.grant is None:
+        return read
+    pending = [first]
+
+    def granted() -> Inventory:
+        inv = pending.pop() if pending else read()
+        return replace(inv, gpus=tuple(g for g in inv.gpus if criteria.grants(g)))
+
+    return granted

@@ -32,21 +32,22 @@ the pids of a described machine are not processes of this one, so the fake also 
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pynvml
 
 from gpukit.errors import InvalidArgumentError
+from gpukit.untrusted import InvalidInput, parse_json, read_file
 
 ENV_VAR = "GPUKIT_FAKE_NVML"
+_MAX_DESCRIPTION = 4 << 20
+"""The largest machine description read: the biggest shipped one is a few kilobytes."""
 
 
 @dataclass(frozen=True)
@@ -87,15 +88,15 @@ def _is_name(value: str) -> bool:
 
 
 def _read_regular_file(path: str) -> str:
-    # O_NONBLOCK, then fstat: a FIFO or a device would otherwise make every command hang.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidArgumentError(
-                f"{ENV_VAR}={path} is not a regular file.",
-                hint="Point it at a JSON machine description file, or a bundled machine's name.",
-            )
-        return file.read().decode("utf-8")
+    # The layer's open: a FIFO or a device would otherwise make every command hang, and a
+    # description is a few kilobytes, never the gigabytes a sparse file can claim.
+    try:
+        return read_file(path, _MAX_DESCRIPTION, follow=True).decode("utf-8")
+    except InvalidInput as exc:
+        raise InvalidArgumentError(
+            f"{ENV_VAR}={path} is {exc}.",
+            hint="Point it at a JSON machine description file, or a bundled machine's name.",
+        ) from None
 
 
 def _read(path: str | Path) -> str:
@@ -115,7 +116,7 @@ def _read(path: str | Path) -> str:
 def load_description(path: str | Path) -> dict[str, Any]:
     """Read a machine description (a file, or a bundled machine's name), checked whole."""
     try:
-        data = json.loads(_read(path))
+        data = parse_json(_read(path), limit=_MAX_DESCRIPTION)
     except InvalidArgumentError:
         raise
     except (OSError, ValueError) as exc:
@@ -133,7 +134,7 @@ def load_description(path: str | Path) -> dict[str, Any]:
             + ".",
             hint="Fix those fields; the format is in the gpukit.gpus.fake_nvml module docstring.",
         )
-    description: dict[str, Any] = data  # an object: check_description found no problem
+    description = cast(dict[str, Any], data)  # an object: check_description found no problem
     return description
 
 

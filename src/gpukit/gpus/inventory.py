@@ -15,7 +15,6 @@ from that description instead (see :mod:`gpukit.gpus.fake_nvml`).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -24,9 +23,11 @@ from typing import Any
 
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
 from gpukit.gpus.lockfiles import owner_name
-from gpukit.untrusted import printable
+from gpukit.untrusted import parse_json, printable
 
 SCHEMA = "gpukit.inventory/1"
+_MAX_JSON = 64 << 20
+"""The largest inventory JSON read back: thousands of GPUs with their processes."""
 """The ``schema`` field of :meth:`Inventory.to_json`; the number grows when a field changes."""
 
 
@@ -137,7 +138,7 @@ class Inventory:
 
         Unknown keys are ignored, so a newer writer's additions do not break an older reader.
         """
-        payload: Any = json.loads(data) if isinstance(data, str) else data
+        payload: Any = parse_json(data, limit=_MAX_JSON) if isinstance(data, str) else data
         schema = payload.get("schema") if isinstance(payload, Mapping) else None
         if schema != SCHEMA:
             raise InvalidArgumentError(

@@ -23,7 +23,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ from gpukit.errors import InvalidArgumentError, NoGpuAvailableError, UserLimitEr
 from gpukit.gpus.claims import Claim, Holder, claim, current_claims
 from gpukit.gpus.inventory import GPU, Inventory
 from gpukit.gpus.policy import Policy, holdings, load_policy
+from gpukit.gpus.visible import Grant, granted_gpus
 from gpukit.untrusted import InvalidInput, as_dict, as_int, as_list, as_str
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "format_size",
     "parse_size",
     "pick",
+    "within_grant",
 ]
 
 Order = Literal["free", "index", "util"]
@@ -72,7 +74,10 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$", re.A
 _MAX_SIZE = 2**100  # far past any GPU, and still a float for messages
 CRITERIA_SCHEMA = "gpukit.criteria/1"
 """The ``schema`` field of :meth:`Criteria.to_json`."""
-_CRITERIA_FIELDS = frozenset({"schema", "min_free", "max_util", "max_processes", "exclude"})
+_CRITERIA_FIELDS = frozenset(
+    {"schema", "min_free", "max_util", "max_processes", "exclude", "grant"}
+)
+_GRANT_FIELDS = frozenset({"indices", "variable", "value"})
 _MOST_EXCLUDED = 1024  # entries of ``exclude`` read back: more than any machine has GPUs
 _MOST_NUMBER = 2**32 - 1  # process counts and GPU indices
 
@@ -163,6 +168,9 @@ class Criteria:
     max_util: int | None = None
     max_processes: int | None = None
     exclude: tuple[int | str, ...] = ()
+    grant: Grant | None = None
+    """The GPUs a scheduler or the user granted this process (see :func:`within_grant`);
+    None when every GPU of the machine may be chosen."""
 
     @classmethod
     def make(
@@ -228,6 +236,13 @@ class Criteria:
             "max_util": self.max_util,
             "max_processes": self.max_processes,
             "exclude": list(self.exclude),
+            "grant": None
+            if self.grant is None
+            else {
+                "indices": list(self.grant.indices),
+                "variable": self.grant.variable,
+                "value": self.grant.value,
+            },
         }
 
     @classmethod
@@ -249,6 +264,17 @@ class Criteria:
             return None if value is None else as_int(value, high=high, what=name)
 
         exclude = as_list(fields["exclude"], limit=_MOST_EXCLUDED, what="exclude")
+        grant = None
+        if fields["grant"] is not None:
+            granted = as_dict(fields["grant"], what="grant")
+            if set(granted) != _GRANT_FIELDS:
+                raise InvalidInput(f"the grant holds other fields than {sorted(_GRANT_FIELDS)}")
+            indices = as_list(granted["indices"], limit=_MOST_EXCLUDED, what="granted GPUs")
+            grant = Grant(
+                indices=tuple(as_int(i, high=_MOST_NUMBER, what="a granted GPU") for i in indices),
+                variable=as_str(granted["variable"], limit=256, what="the grant's variable"),
+                value=as_str(granted["value"], what="the grant's value"),
+            )
         return cls(
             min_free=number("min_free", _MAX_SIZE),
             max_util=number("max_util", 100),
@@ -259,6 +285,7 @@ class Criteria:
                 else as_int(e, high=_MOST_NUMBER, what="an excluded GPU")
                 for e in exclude
             ),
+            grant=grant,
         )
 
     def describe(self) -> str:
@@ -275,7 +302,13 @@ class Criteria:
             parts.append(f"at most {limit} process(es)")
         if self.exclude:
             parts.append(f"not {', '.join(map(str, self.exclude))}")
+        if self.grant is not None:
+            parts.append(_granted(self.grant))
         return ", ".join(parts)
+
+    def grants(self, gpu: GPU) -> bool:
+        """True when ``gpu`` is one this process may choose: granted, or nothing restricts it."""
+        return self.grant is None or gpu.index in self.grant.indices
 
     def excludes(self, gpu: GPU) -> bool:
         """True when ``gpu`` is excluded by index, UUID, or a prefix of its UUID."""
@@ -310,10 +343,24 @@ class Criteria:
         A GPU NVML cannot read (fallen off the bus, "GPU is lost") needs a reset or a reboot:
         waiting for it would be forever.
         """
-        if self.excludes(gpu) or gpu.mig_mode or gpu.error is not None:
+        if not self.grants(gpu) or self.excludes(gpu) or gpu.mig_mode or gpu.error is not None:
             return False
         total = gpu.memory_total
         return self.min_free is None or total is None or total >= self.min_free
+
+
+def _gpu_list(indices: Iterable[int]) -> str:
+    listed = list(indices)
+    return f"GPU{'s' if len(listed) != 1 else ''} {','.join(map(str, listed))}"
+
+
+def _granted(grant: Grant) -> str:
+    """``'granted GPUs 4,5'``: the grant as the criteria's description says it, by index.
+
+    Short on purpose: a scheduler's CUDA_VISIBLE_DEVICES may be full UUIDs, and this part of
+    the description is in every line a waiter prints.
+    """
+    return f"granted {_gpu_list(grant.indices)}"
 
 
 def _names(entry: int | str, gpu: GPU) -> bool:
@@ -347,6 +394,8 @@ class Verdict:
 
 
 def _reasons(gpu: GPU, criteria: Criteria, holder: Holder | None) -> list[str]:
+    if not criteria.grants(gpu):
+        return ["not granted to this process"]
     if criteria.excludes(gpu):
         return ["excluded"]
     if gpu.error is not None:
@@ -422,10 +471,24 @@ def choose(
 def no_gpu_error(
     inv: Inventory, n: int, criteria: Criteria, verdicts: list[Verdict]
 ) -> NoGpuAvailableError:
-    """The error for too few qualifying GPUs, explaining each GPU's rejection."""
+    """The error for too few qualifying GPUs, explaining each GPU's rejection.
+
+    Under a grant, only the granted GPUs are counted and explained, as the job sees them.
+    """
+    grant = criteria.grant
+    if grant is not None:
+        inv = replace(inv, gpus=tuple(g for g in inv.gpus if criteria.grants(g)))
+        verdicts = [v for v in verdicts if criteria.grants(v.gpu)]
+        criteria = replace(criteria, grant=None)
     wanted = f"{n} GPU{'s' if n != 1 else ''}" + (
         f" with {criteria.describe()}" if criteria.describe() else ""
     )
+    if grant is not None:
+        count = len(inv.gpus)
+        wanted += (
+            f", of the {count} GPU{'s' if count != 1 else ''} "
+            f"({', '.join(str(g.index) for g in inv.gpus) or 'none'}) granted by {grant.variable}"
+        )
     found = sum(v.ok for v in verdicts)
     rejected = "".join(f"\n  {v.explain()}" for v in verdicts if not v.ok)
     if not inv.gpus:
@@ -485,11 +548,10 @@ def pick(
     )
     if inventory is None:
         from gpukit.gpus.inventory import inventory as read_inventory
-        from gpukit.gpus.visible import granted_inventory
 
         inventory = read_inventory()
         if not all_gpus:
-            inventory = granted_inventory(inventory, n)
+            inventory, criteria = within_grant(inventory, n, criteria)
     if claims is not None:
         return choose(inventory, n, criteria, order=order, claims=claims)
     gpus = choose(inventory, n, criteria, order=order, claims=current_claims())
@@ -514,3 +576,33 @@ def check_user_limit(n: int, policy: Policy | None = None) -> None:
             if policy.could_ever_allow(n)
             else "Waiting cannot help: ask for fewer GPUs, or ask the administrator.",
         )
+
+
+def within_grant(
+    inv: Inventory, n: int, criteria: Criteria, env: Mapping[str, str] | None = None
+) -> tuple[Inventory, Criteria]:
+    """``inv`` narrowed to the GPUs this process was granted, and ``criteria`` that say so.
+
+    The grant is ``CUDA_VISIBLE_DEVICES``, or Slurm's ``SLURM_STEP_GPUS`` / ``SLURM_JOB_GPUS``
+    (:func:`gpukit.gpus.visible.granted_gpus`); without one both come back unchanged. The
+    criteria carry the grant as what it is, so messages speak of "the 2 GPUs granted by
+    CUDA_VISIBLE_DEVICES" rather than of every other GPU as excluded. ``exclude`` entries are
+    checked against the whole machine first (a typo is still refused); those naming a GPU
+    outside the grant are dropped, as there is nothing left to exclude.
+
+    Raises NoGpuAvailableError when fewer than ``n`` GPUs are granted and VisibleDevicesError
+    when the grant cannot be mapped to the machine's GPUs exactly.
+
+    >>> inv, criteria = within_grant(inventory(), 1, Criteria())     # doctest: +SKIP
+    >>> criteria.describe()                                          # doctest: +SKIP
+    'no process on it, granted GPUs 4,5'
+    """
+    from gpukit.gpus.visible import granted_inventory
+
+    criteria.check_exclude(inv)
+    grant = granted_gpus(inv, env)
+    if grant is None:
+        return inv, criteria
+    granted = granted_inventory(inv, n, env)
+    kept = tuple(e for e in criteria.exclude if any(_names(e, g) for g in granted.gpus))
+    return granted, replace(criteria, exclude=kept, grant=grant)

@@ -134,7 +134,7 @@ def find_batch_size(
     fn: Callable[[int], object] | None = None,
     *,
     start: int = 1,
-    maximum: int,
+    maximum: int | None = None,
     floor: int = 1,
     growth: float = 2.0,
 ) -> int | Callable[[Callable[..., Any]], BatchSizeSearch[Any]]:
@@ -153,7 +153,16 @@ def find_batch_size(
     and all return the smallest size any of them found; ``fn`` itself must then not use
     collectives, since processes may try different sizes.
 
-    Raises :class:`~gpukit.errors.MemoryProbeError` when not even ``floor`` fits.
+    ``maximum`` is required: on a machine where nothing runs out of memory (a CPU with swap,
+    a GPU far larger than the model) the search would grow forever. When every size up to it
+    fits, ``maximum`` itself is returned, and the log says "reached maximum=N without running
+    out of memory": the largest size that fits may be larger. Every try runs ``fn`` for real,
+    so a step that updates the model (an optimizer step) trains it once per try: probe with
+    a copy of the model, or reload its weights afterwards.
+
+    Raises :class:`~gpukit.errors.MemoryProbeError` when not even ``floor`` fits, and
+    :class:`~gpukit.errors.InvalidArgumentError` for settings out of range or a missing
+    ``maximum``.
 
     Without ``fn`` it is a decorator, in the form of accelerate's
     ``find_executable_batch_size``: the decorated function takes the batch size as its first
@@ -176,7 +185,15 @@ def find_batch_size(
     return _find(_Search(fn), **settings)
 
 
-def _check_settings(*, start: int, maximum: int, floor: int, growth: float) -> dict[str, Any]:
+def _check_settings(
+    *, start: int, maximum: int | None, floor: int, growth: float
+) -> dict[str, Any]:
+    if maximum is None:
+        raise InvalidArgumentError(
+            "find_batch_size needs maximum=, the largest batch size worth trying: where "
+            "nothing runs out of memory, the search would otherwise grow forever.",
+            hint="Pass e.g. maximum=1024 (the dataset's size is a natural bound).",
+        )
     floor = _check_size("floor", floor)
     start = _check_size("start", start)
     maximum = _check_size("maximum", maximum)
@@ -279,6 +296,12 @@ def _search(search: _Search, *, start: int, maximum: int, floor: int, growth: fl
         if search.fits(size):
             good = size
             if size == maximum:
+                log.info(
+                    "batch size %d: reached maximum=%d without running out of memory; larger "
+                    "sizes were not tried",
+                    size,
+                    maximum,
+                )
                 return size
             size = min(maximum, max(size + 1, math.ceil(size * growth)))
         else:
