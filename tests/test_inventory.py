@@ -276,3 +276,20 @@ def test_a_co_users_command_line_reaches_no_terminal_as_escape_sequences() -> No
     assert command is not None
     assert command.endswith("?]0;pwned??[2J")
     assert command.isprintable()
+
+
+def test_a_process_of_a_uid_without_an_account_is_named_as_its_claims_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    import pwd
+
+    from gpukit.gpus.inventory import _proc_owner_and_command
+    from gpukit.gpus.lockfiles import owner_name
+
+    def no_account(uid: int) -> pwd.struct_passwd:
+        raise KeyError(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", no_account)
+    user, _ = _proc_owner_and_command(os.getpid())
+    assert user == owner_name(os.getuid()) == f"uid {os.getuid()}"

@@ -96,6 +96,7 @@ def test_a_waiters_json_holds_every_field_of_its_ticket(queue: Path, hold: Hold)
         "since": 1700000000.5,
         "ticket": EARLY,
         "arrived_ns": os.stat(queue / EARLY).st_ctime_ns,
+        "wants": None,
     }
 
 

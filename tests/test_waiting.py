@@ -19,6 +19,8 @@ from gpukit.errors import LockFolderError
 from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import user_name
+from gpukit.gpus.select import Criteria
+from gpukit.gpus.visible import Grant
 from gpukit.gpus.waiting import TICKET_SCHEMA, Ticket, read_line
 from tests.conftest import ROOT, subprocess_env
 
@@ -89,7 +91,7 @@ def forger() -> Iterator[object]:
 def test_a_ticket_with_an_early_name_made_after_yours_comes_after_yours(
     locks: Path, forger: object
 ) -> None:
-    with Ticket(n=2, criteria="at most 10% busy", command="python train.py") as honest:
+    with Ticket(n=2, criteria=Criteria.make(max_util=10), command="python train.py") as honest:
         pid = forger(honest.queue / EARLY, _record("self"))  # type: ignore[operator]
         line = read_line()
         assert [(w.position, w.pid, w.ticket) for w in line.waiters] == [
@@ -100,7 +102,7 @@ def test_a_ticket_with_an_early_name_made_after_yours_comes_after_yours(
 
 
 def test_read_line_reports_each_waiter_as_its_ticket_records_it(locks: Path) -> None:
-    with Ticket(n=2, criteria="at most 10% busy", command="python train.py") as mine:
+    with Ticket(n=2, criteria=Criteria.make(max_util=10), command="python train.py") as mine:
         (waiter,) = read_line().waiters
     assert (waiter.position, waiter.pid, waiter.uid, waiter.user) == (
         1,
@@ -110,10 +112,11 @@ def test_read_line_reports_each_waiter_as_its_ticket_records_it(locks: Path) -> 
     )
     assert (waiter.n, waiter.criteria, waiter.command, waiter.ticket) == (
         2,
-        "at most 10% busy",
+        "at most 10% busy, no process on it",
         "python train.py",
         mine.name,
     )
+    assert waiter.wants == Criteria.make(max_util=10)
     assert abs(waiter.since - time.time()) < 60
     assert read_line().waiters == ()  # closed: out of the line
 
@@ -121,11 +124,11 @@ def test_read_line_reports_each_waiter_as_its_ticket_records_it(locks: Path) -> 
 def test_control_characters_in_a_ticket_reach_no_terminal(locks: Path) -> None:
     # A co-user's ticket is shown by `gpukit queue`: escape sequences in it could clear the
     # screen, retitle the terminal or recolour what follows.
-    hostile = "\x1b[2J\x1b]0;pwned\x07 at most 10% busy\r"
+    hostile = Criteria(max_util=10, exclude=("\x1b[2J\x1b]0;pwned\x07\r",))
     with Ticket(criteria=hostile, command="train\x1b[31m.py"):
         (waiter,) = read_line().waiters
     assert (waiter.criteria, waiter.command) == (
-        "?[2J?]0;pwned? at most 10% busy?",
+        "at most 10% busy, no process on it, not ?[2J?]0;pwned??",
         "train?[31m.py",
     )
 
@@ -319,3 +322,64 @@ def test_without_a_kernel_lock_table_a_ticket_counts_while_its_lock_is_held(
         line = read_line()
         assert [w.ticket for w in line.waiters] == [honest.name]
         assert [(f.name, f.why) for f in line.foreign] == [(EARLY, "not held by a live waiter")]
+
+
+_UUIDS = [f"GPU-4a1d2e10-5b7c-4f3e-9d21-0c6e8f1a2b0{i}" for i in range(1, 4)]
+
+
+@pytest.mark.parametrize(
+    "criteria",
+    [
+        Criteria.make(min_free="20GB"),
+        Criteria(min_free=1, max_processes=2),
+        Criteria.make(max_util=10, exclude=[3, "GPU-4a1d2e10,x", *_UUIDS]),
+        Criteria.make(exclude=",".join(_UUIDS)),
+        Criteria(grant=Grant((4, 5), "CUDA_VISIBLE_DEVICES", "GPU-4a1d,5")),
+    ],
+    ids=["20GB", "1 byte and 2 processes", "indices and UUIDs", "UUIDs as one text", "a grant"],
+)
+def test_a_waiters_criteria_come_back_from_its_ticket_exactly(
+    locks: Path, criteria: Criteria
+) -> None:
+    with Ticket(criteria=criteria):
+        (waiter,) = read_line().waiters
+    assert waiter.wants == criteria
+    assert waiter.criteria == criteria.describe()
+
+
+_sizes = st.none() | st.integers(0, 2**100)
+_counts = st.none() | st.integers(0, 2**32 - 1)
+
+
+@given(
+    min_free=_sizes,
+    max_util=st.none() | st.integers(0, 100),
+    max_processes=_counts,
+    exclude=st.lists(st.integers(0, 2**32 - 1) | st.text(max_size=64), max_size=8),
+    grant=st.none()
+    | st.builds(
+        Grant,
+        st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple),
+        st.sampled_from(["CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS"]),
+        st.text(max_size=64),
+    ),
+)
+def test_criteria_written_as_json_read_back_equal(
+    min_free: int | None,
+    max_util: int | None,
+    max_processes: int | None,
+    exclude: list[int | str],
+    grant: Grant | None,
+) -> None:
+    criteria = Criteria(min_free, max_util, max_processes, tuple(exclude), grant)
+    assert Criteria.from_json(json.loads(json.dumps(criteria.to_json()))) == criteria
+
+
+def test_a_waiter_excluding_thousands_of_gpus_keeps_its_place_with_criteria_unknown(
+    locks: Path,
+) -> None:
+    criteria = Criteria(exclude=tuple(f"GPU-{i:036d}" for i in range(3000)))
+    with Ticket(criteria=criteria, command="python train.py") as ticket:
+        (waiter,) = read_line().waiters
+    assert (waiter.ticket, waiter.command, waiter.wants) == (ticket.name, "python train.py", None)
+    assert criteria.describe().startswith(waiter.criteria)

@@ -122,14 +122,19 @@ def test_a_ticket_without_details_waits_for_one_gpu_of_any_kind_for_this_command
     monkeypatch.setattr(sys, "argv", ["train.py", "--epochs", "3"])
     with Ticket():
         (waiter,) = read_line().waiters
-    assert (waiter.n, waiter.criteria, waiter.command) == (1, "", "train.py --epochs 3")
+    assert (waiter.n, waiter.criteria, waiter.command) == (
+        1,
+        "no process on it",
+        "train.py --epochs 3",
+    )
+    assert waiter.wants == Criteria()
 
 
 def test_a_tickets_name_is_its_time_pid_and_8_hex_digits_and_its_path_holds_its_record(
     locks: Path,
 ) -> None:
     before = time.time_ns()
-    with Ticket(n=3, criteria="at most 10% busy", command="python train.py") as ticket:
+    with Ticket(n=3, criteria=Criteria.make(max_util=10), command="python train.py") as ticket:
         after = time.time_ns()
         match = re.fullmatch(rf"(\d{{20}})-{os.getpid()}-[0-9a-f]{{8}}\.ticket", ticket.name)
         assert match is not None, ticket.name
@@ -142,7 +147,15 @@ def test_a_tickets_name_is_its_time_pid_and_8_hex_digits_and_its_path_holds_its_
         "user": ME,
         "uid": os.getuid(),
         "n": 3,
-        "criteria": "at most 10% busy",
+        "criteria": "at most 10% busy, no process on it",
+        "wants": {
+            "schema": "gpukit.criteria/1",
+            "min_free": None,
+            "max_util": 10,
+            "max_processes": None,
+            "exclude": [],
+            "grant": None,
+        },
         "command": "python train.py",
     }
 

@@ -54,6 +54,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "DEPTH",
+    "MAX_SECONDS",
     "InvalidInput",
     "Streams",
     "as_dict",
@@ -486,3 +487,8 @@ def write_output(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644
             raise
     finally:
         os.close(dir_fd)
+
+
+MAX_SECONDS = 366 * 86400.0
+"""The longest duration gpukit takes anywhere, from an option, a variable or an argument: a
+year. Past it a number of seconds is a typo, and ``time.sleep`` overflows past ~292 years."""

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpukit.cli._args import MAX_SECONDS, Number, OutputFile, Percent, Seconds, Size
+from gpukit.cli._args import Number, OutputFile, Percent, Seconds, Size
 from gpukit.cli.main import main
+from gpukit.untrusted import MAX_SECONDS
 
 HUGE = "9" * 400
 
@@ -146,3 +147,14 @@ def test_a_min_free_without_a_unit_is_refused_with_what_was_likely_meant(
     err = capsys.readouterr().err
     assert "argument --min-free: '20' has no unit: did you mean 20GiB?" in err
     assert '"20B"' in err
+
+
+def test_an_option_and_the_poll_interval_take_the_same_longest_duration() -> None:
+    from gpukit.errors import InvalidArgumentError
+    from gpukit.gpus.acquire import poll_interval
+
+    assert Seconds()(str(MAX_SECONDS)) == poll_interval(MAX_SECONDS) == MAX_SECONDS
+    with pytest.raises(argparse.ArgumentTypeError):
+        Seconds()(str(MAX_SECONDS + 1))
+    with pytest.raises(InvalidArgumentError):
+        poll_interval(MAX_SECONDS + 1)

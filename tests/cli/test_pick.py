@@ -26,8 +26,8 @@ def test_pick_prints_free_gpu_indices_comma_separated(
     assert (done.returncode, done.stdout) == (0, "2,4\n")
 
 
-@pytest.mark.parametrize("command", ["pick", "run"])
-def test_pick_and_run_say_on_stderr_that_they_read_a_fake_machine(
+@pytest.mark.parametrize("command", ["pick", "run", "list", "queue"])
+def test_each_command_says_on_stderr_that_it_reads_a_fake_machine(
     run_cli: CliRunner, machines_dir: Path, tmp_path: Path, command: str
 ) -> None:
     args = ["--", "true"] if command == "run" else []
@@ -35,6 +35,13 @@ def test_pick_and_run_say_on_stderr_that_they_read_a_fake_machine(
     assert done.returncode == 0, done.stderr
     assert f"gpukit {command}: reading a fake machine" in done.stderr
     assert "server-4xL4-idle.json" in done.stderr
+
+
+def test_the_fake_machine_banner_is_written_in_one_place() -> None:
+    # One function says it, so that every command says it alike.
+    src = Path(__file__).resolve().parents[2] / "src" / "gpukit"
+    places = [p.name for p in src.rglob("*.py") if "reading a fake machine" in p.read_text()]
+    assert places == ["_output.py"]
 
 
 def test_pick_prints_nothing_and_exits_4_when_too_few_qualify(

@@ -353,3 +353,32 @@ def test_queue_lists_the_first_few_junk_entries_and_says_how_many_more_there_are
     assert "junk-00000" in table.stdout
     assert "1980 more not listed (the first 20 by name are shown)" in table.stdout
     assert (len(data["foreign"]), data["foreign_not_listed"]) == (20, 1980)
+
+
+def test_a_holder_without_an_account_has_one_name_in_gpukit_list_and_gpukit_queue(
+    locks: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pwd
+
+    from gpukit.cli.main import main
+    from gpukit.gpus.claims import claim
+    from gpukit.gpus.inventory import inventory
+
+    for name, value in _env(locks).items():
+        monkeypatch.setenv(name, value)
+    real = pwd.getpwuid
+
+    def no_account(uid: int) -> pwd.struct_passwd:
+        if uid == os.getuid():
+            raise KeyError(uid)
+        return real(uid)
+
+    gpu = inventory().gpu(0)
+    with claim([gpu]):
+        monkeypatch.setattr(pwd, "getpwuid", no_account)
+        capsys.readouterr()
+        assert main(["list", "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)["claims"][gpu.uuid]["user"]
+        assert main(["queue", "--json"]) == 0
+        (queued,) = json.loads(capsys.readouterr().out)["holders"]
+    assert listed == queued["user"] == f"uid {os.getuid()}"

@@ -24,11 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpukit.errors import InvalidArgumentError
+from gpukit.untrusted import MAX_SECONDS
 
-__all__ = ["MAX_SECONDS", "Number", "OutputFile", "Percent", "Seconds", "Size"]
-
-MAX_SECONDS = 366 * 86400.0
-"""The longest duration an option takes: a year. ``time.sleep`` overflows past ~292 years."""
+__all__ = ["Number", "OutputFile", "Percent", "Seconds", "Size"]
 
 _MAX_TEXT = 64  # characters: more is never a number a person meant
 _INTEGER = re.compile(r"[+-]?[0-9]+")

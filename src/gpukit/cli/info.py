@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
 
 from gpukit.cli._lock_folder import read_lock_folder
-from gpukit.cli._output import console, human_bytes, na, print_json
+from gpukit.cli._output import console, human_bytes, na, print_json, say_if_fake
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -42,11 +40,7 @@ def _memory_reports(info: dict[str, Any]) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report as tables, or as JSON with ``--json``."""
-    fake = os.environ.get("GPUKIT_FAKE_NVML")
-    if fake:
-        print(
-            f"gpukit info: reading a fake machine from {fake} (GPUKIT_FAKE_NVML).", file=sys.stderr
-        )
+    say_if_fake("info")
     info, memory = collect()
     if args.json:
         print_json(info)

@@ -6,7 +6,6 @@ Never imports torch, and imports rich only for human output, so that it starts f
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from gpukit.cli._args import Seconds, add_watch
 from gpukit.cli._gpu_table import build_table
 from gpukit.cli._lock_folder import LockFolderState, read_lock_folder
-from gpukit.cli._output import na, print_json
+from gpukit.cli._output import na, print_json, say_if_fake
 from gpukit.errors import ExitCode
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.visible import Grant, VisibleDevices, granted_gpus, visible_devices
@@ -178,11 +177,7 @@ def run(args: argparse.Namespace) -> int:
             "--timeout and --ssh-command apply to other machines, and no --hosts was given.",
             hint="Add --hosts A,B,C, or leave them out to list this machine's GPUs.",
         )
-    fake = os.environ.get("GPUKIT_FAKE_NVML")
-    if fake:
-        print(
-            f"gpukit list: reading a fake machine from {fake} (GPUKIT_FAKE_NVML).", file=sys.stderr
-        )
+    say_if_fake("list")
     if args.watch is not None:
         return _watch(args)
     inv, view, locks = _read()

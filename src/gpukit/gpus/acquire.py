@@ -33,15 +33,13 @@ from gpukit.gpus.select import (
 )
 from gpukit.gpus.select import no_gpu_error as _no_gpu_error
 from gpukit.gpus.waiting import wait_and_claim
+from gpukit.untrusted import MAX_SECONDS
 
 __all__ = ["POLL_VAR", "acquire", "poll_interval"]
 
 POLL_VAR = "GPUKIT_POLL_INTERVAL"
 """Seconds between two readings of the GPUs while waiting, when ``poll`` is not given."""
 _DEFAULT_POLL = 2.0
-MOST_POLL_S = 366 * 86400.0
-"""The longest interval between polls, a year as for the CLI's durations: time.sleep(1e12)
-overflows."""
 # Another process may claim a GPU between reading the claims and locking it: read again.
 _CLAIM_TRIES = 3
 
@@ -92,11 +90,11 @@ def poll_interval(poll: float | None = None) -> float:
     environment variable included, whether or not anything will wait.
     """
     if poll is not None:
-        return _seconds(poll, "poll", zero=False, example="poll=2", most=MOST_POLL_S)
+        return _seconds(poll, "poll", zero=False, example="poll=2", most=MAX_SECONDS)
     configured = os.environ.get(POLL_VAR)
     if configured is None:
         return _DEFAULT_POLL
-    return _seconds(configured, POLL_VAR, zero=False, example=f"{POLL_VAR}=2", most=MOST_POLL_S)
+    return _seconds(configured, POLL_VAR, zero=False, example=f"{POLL_VAR}=2", most=MAX_SECONDS)
 
 
 def acquire(

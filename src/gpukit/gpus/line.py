@@ -6,6 +6,14 @@ Each waiter (``gpukit run --wait``, ``gk.acquire(wait=True)``) holds a *ticket* 
 user, uid, how many GPUs, the criteria, the command, since when). Only the first waiter in line
 whose request the server's policy allows may claim GPUs, so waiters are served in arrival order.
 
+The criteria are recorded twice: as the sentence :meth:`~gpukit.gpus.select.Criteria.describe`
+says (``criteria``, for display) and as data (``wants``: the fields of
+:meth:`~gpukit.gpus.select.Criteria.to_json`, with a schema of their own), so that ``gpukit
+queue`` can judge the GPUs for a waiter exactly, without reading the sentence back. ``wants``
+was added to the record without changing its schema, so that an older gpukit on the same
+machine still counts the waiter (it reads only the fields it knows); a ticket without it (from
+an older gpukit) or with one that is refused is still a waiter, whose criteria are unknown.
+
 Why the line cannot be jumped. Every user can add files to the queue folder, and a file's name
 and content are whatever its creator wrote. Arrival order therefore comes from a time the
 kernel sets, the ticket's inode change time (``st_ctime_ns``, set when the ticket takes its
@@ -52,6 +60,7 @@ from gpukit.gpus.claims import lock_dir
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.gpus.select import Criteria
 from gpukit.untrusted import (
     InvalidInput,
     as_dict,
@@ -97,10 +106,13 @@ class Waiter:
     """The ticket's file name in the queue folder."""
     arrived_ns: int
     """The kernel's change time of the ticket (ns): what orders the line."""
+    wants: Criteria | None = None
+    """The criteria as data, exactly as the waiter gave them; ``None`` when unknown (a ticket
+    of an older gpukit, or one whose ``wants`` is refused)."""
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict."""
-        return asdict(self)
+        """A JSON-able dict (``wants`` as :meth:`Criteria.to_json` writes it, or ``None``)."""
+        return {**asdict(self), "wants": None if self.wants is None else self.wants.to_json()}
 
 
 @dataclass(frozen=True)
@@ -258,9 +270,24 @@ def _record(data: bytes) -> dict[str, Any] | str:
             "criteria": as_str(raw.get("criteria"), limit=_MAX_RECORD, what="criteria"),
             "command": as_str(raw.get("command"), limit=_MAX_RECORD, what="command"),
             "since": as_float(raw.get("since"), low=-_MOST_TIME, high=_MOST_TIME, what="since"),
+            "wants": _wants(raw.get("wants")),
         }
     except InvalidInput as exc:
         return f"{_INVALID}: {exc}"
+
+
+def _wants(raw: object) -> Criteria | None:
+    """The criteria a record holds as data, or None when it holds none or none that is valid.
+
+    Criteria that are refused make them unknown, not the ticket foreign: the waiter still
+    holds its place in line.
+    """
+    if raw is None:
+        return None
+    try:
+        return Criteria.from_json(raw)
+    except InvalidInput:
+        return None
 
 
 def _waiter(
@@ -310,6 +337,7 @@ def _waiter(
         since=record["since"],
         ticket=name,
         arrived_ns=info.st_ctime_ns,
+        wants=record["wants"],
     )
 
 

@@ -25,15 +25,17 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
 from gpukit.errors import InvalidArgumentError, NoGpuAvailableError, UserLimitError
 from gpukit.gpus.claims import Claim, Holder, claim, current_claims
 from gpukit.gpus.inventory import GPU, Inventory
 from gpukit.gpus.policy import Policy, holdings, load_policy
 from gpukit.gpus.visible import Grant, granted_gpus
+from gpukit.untrusted import InvalidInput, as_dict, as_int, as_list, as_str
 
 __all__ = [
+    "CRITERIA_SCHEMA",
     "Claim",
     "Criteria",
     "Verdict",
@@ -70,6 +72,14 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$", re.ASCII)
 _MAX_SIZE = 2**100  # far past any GPU, and still a float for messages
+CRITERIA_SCHEMA = "gpukit.criteria/1"
+"""The ``schema`` field of :meth:`Criteria.to_json`."""
+_CRITERIA_FIELDS = frozenset(
+    {"schema", "min_free", "max_util", "max_processes", "exclude", "grant"}
+)
+_GRANT_FIELDS = frozenset({"indices", "variable", "value"})
+_MOST_EXCLUDED = 1024  # entries of ``exclude`` read back: more than any machine has GPUs
+_MOST_NUMBER = 2**32 - 1  # process counts and GPU indices
 
 
 def parse_size(value: int | float | str) -> int:
@@ -210,6 +220,73 @@ class Criteria:
         if self.max_processes is None and self.min_free is None:
             return 0
         return self.max_processes
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values, with a ``schema`` field: what a waiter's ticket records.
+
+        :meth:`from_json` reads them back exactly (sizes in bytes, ``exclude`` entries as the
+        indices and UUIDs they were).
+
+        >>> Criteria.make(min_free="20GB", exclude=[3]).to_json()["min_free"]
+        20000000000
+        """
+        return {
+            "schema": CRITERIA_SCHEMA,
+            "min_free": self.min_free,
+            "max_util": self.max_util,
+            "max_processes": self.max_processes,
+            "exclude": list(self.exclude),
+            "grant": None
+            if self.grant is None
+            else {
+                "indices": list(self.grant.indices),
+                "variable": self.grant.variable,
+                "value": self.grant.value,
+            },
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> Criteria:
+        """The criteria that :meth:`to_json` wrote, as another user's file holds them.
+
+        Every field is checked by exact type and range; anything else (a missing or unknown
+        field, another schema, a float, a size past 2**100 bytes) raises
+        :class:`~gpukit.untrusted.InvalidInput`, never another exception.
+        """
+        fields = as_dict(raw, what="the criteria")
+        if fields.get("schema") != CRITERIA_SCHEMA:
+            raise InvalidInput(f"the criteria are not a {CRITERIA_SCHEMA} record")
+        if set(fields) != _CRITERIA_FIELDS:
+            raise InvalidInput(f"the criteria hold other fields than {sorted(_CRITERIA_FIELDS)}")
+
+        def number(name: str, high: int) -> int | None:
+            value = fields[name]
+            return None if value is None else as_int(value, high=high, what=name)
+
+        exclude = as_list(fields["exclude"], limit=_MOST_EXCLUDED, what="exclude")
+        grant = None
+        if fields["grant"] is not None:
+            granted = as_dict(fields["grant"], what="grant")
+            if set(granted) != _GRANT_FIELDS:
+                raise InvalidInput(f"the grant holds other fields than {sorted(_GRANT_FIELDS)}")
+            indices = as_list(granted["indices"], limit=_MOST_EXCLUDED, what="granted GPUs")
+            grant = Grant(
+                indices=tuple(as_int(i, high=_MOST_NUMBER, what="a granted GPU") for i in indices),
+                variable=as_str(granted["variable"], limit=256, what="the grant's variable"),
+                value=as_str(granted["value"], what="the grant's value"),
+            )
+        return cls(
+            min_free=number("min_free", _MAX_SIZE),
+            max_util=number("max_util", 100),
+            max_processes=number("max_processes", _MOST_NUMBER),
+            exclude=tuple(
+                as_str(e, limit=256, what="an excluded GPU")
+                if isinstance(e, str)
+                else as_int(e, high=_MOST_NUMBER, what="an excluded GPU")
+                for e in exclude
+            ),
+            grant=grant,
+        )
 
     def describe(self) -> str:
         """``'at least 60 GiB free, at most 10% busy'``, for messages."""

@@ -7,9 +7,11 @@
 
 What ``gpukit queue`` shows. Never imports torch.
 
-- Holders come from the claims' lock files, checked against the kernel's lock table
-  (``/proc/locks``): where another process than the record names holds a lock, that process
-  is shown. The user shown is the owner of the holder's process as the kernel reports it.
+- Holders come from the claims' lock files as :func:`~gpukit.gpus.claims.current_claims`
+  reads them, checked against the kernel's lock table (``/proc/locks``): where another process
+  than the record names holds a lock, that process is shown. The user shown is the owner of the
+  holder's process as the kernel reports it, named as everywhere in gpukit (``'uid 54321'`` for
+  a uid without an account).
 - Waiters come from the line of waiters, in service order, each with why it is not served yet.
 - Unclaimed use: a process NVML sees on a GPU that no claim of that GPU covers. A claim covers
   its holder and the holder's descendants (``/proc/<pid>/stat`` parents), since ``gpukit run``
@@ -27,25 +29,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import stat
 import uuid as uuid_module
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from gpukit.errors import GpukitError
 from gpukit.gpus import waiting
 from gpukit.gpus.claims import Holder, current_claims, lock_dir
-from gpukit.gpus.flocks import exclusive_flocks
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Foreign, Line
+from gpukit.gpus.line import Foreign, Waiter
 from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
 from gpukit.gpus.policy import holdings, load_policy
-from gpukit.gpus.select import Criteria, assess
-from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, printable, read_bounded
+from gpukit.gpus.select import assess
+from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, read_bounded
 
 SCHEMA = "gpukit.queue/1"
 """The ``schema`` field of :meth:`Sharing.to_json`."""
@@ -133,24 +133,6 @@ class Sharing:
         return {"schema": SCHEMA, **asdict(self)}
 
 
-def _proc_uid(pid: int) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-
-
-def _user_name(uid: int | None) -> str | None:
-    if uid is None:
-        return None
-    try:
-        import pwd
-
-        return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return str(uid)
-
-
 def _parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -173,42 +155,13 @@ def ancestors(pid: int) -> list[int]:
     return found
 
 
-def _cmdline(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    return printable(text, limit=4096)  # no escape sequences
-
-
-def _true_holder(holder: Holder, lock: Path, table: dict[int, frozenset[int]] | None) -> Holder:
-    """``holder`` as its lock record says, corrected by the kernel's lock table.
-
-    A record is written by whoever holds the lock, so it could name someone else's process;
-    where the kernel says another pid holds the lock, that pid and its command line win.
-    """
-    if table is None:
-        return holder  # no lock table (not Linux): the record is all there is
-    try:
-        pids = table.get(os.lstat(lock).st_ino, frozenset()) - {0}
-    except OSError:
-        return holder
-    if not pids or holder.pid in pids:
-        return holder  # verified, or held from another pid namespace (pid 0): unverifiable
-    pid = min(pids)
-    return replace(holder, user=None, pid=pid, command=_cmdline(pid))
-
-
-def _holders(
-    claims: dict[str, Holder], inv: Inventory, folder: Path, table: dict[int, frozenset[int]] | None
-) -> list[HeldClaim]:
+def _holders(claims: dict[str, Holder], inv: Inventory) -> list[HeldClaim]:
+    """The claims held now, one per holder; ``claims`` as :func:`current_claims` reads them,
+    so each holder is already the one the kernel's lock table says."""
     index = {g.uuid: g.index for g in inv.gpus}
     groups: dict[tuple[int | None, float | None, str | None, str | None], list[str]] = {}
     records: dict[tuple[int | None, float | None, str | None, str | None], Holder] = {}
-    for uuid, recorded in claims.items():
-        holder = _true_holder(recorded, folder / f"{uuid}.lock", table)
+    for uuid, holder in claims.items():
         key = (holder.pid, holder.since, holder.user, holder.command)
         groups.setdefault(key, []).append(uuid)
         records[key] = holder
@@ -216,13 +169,11 @@ def _holders(
     for key, uuids in groups.items():
         holder = records[key]
         uuids.sort(key=lambda u: (index.get(u) is None, index.get(u) or 0, u))
-        # The lock record is written by its holder; the kernel's word on who runs the pid wins.
-        owner = _user_name(_proc_uid(holder.pid)) if holder.pid is not None else None
         held.append(
             HeldClaim(
                 gpus=tuple(index.get(u) for u in uuids),
                 uuids=tuple(uuids),
-                user=owner or holder.user,
+                user=holder.user,
                 pid=holder.pid,
                 command=holder.command,
                 since=holder.since,
@@ -250,44 +201,6 @@ def _unclaimed(inv: Inventory, held: Sequence[HeldClaim]) -> list[UnclaimedUse]:
     return found
 
 
-_SIZE = re.compile(r"at least (.+) free")
-_UTIL = re.compile(r"at most (\d+)% busy")
-_PROCS = re.compile(r"at most (\d+) process\(es\)")
-
-
-def criteria_from_text(text: str) -> Criteria | None:
-    """The criteria that :meth:`Criteria.describe` wrote as ``text``, or None if it is not one.
-
-    Waiters' tickets carry their criteria as that sentence. Sizes come back rounded to what
-    the sentence shows (0.1 GiB), enough to say how many GPUs qualify for a waiter.
-    """
-    text = text.strip()
-    if not text:
-        return Criteria()  # any idle GPU
-    head, _, excluded = text.partition(", not ")
-    values: dict[str, Any] = {}
-    processes_said = False
-    for part in filter(None, (p.strip() for p in head.split(","))):
-        if (size := _SIZE.fullmatch(part)) and "min_free" not in values:
-            values["min_free"] = size.group(1)
-        elif (util := _UTIL.fullmatch(part)) and "max_util" not in values:
-            values["max_util"] = int(util.group(1))
-        elif part == "no process on it" and not processes_said:
-            values["max_processes"] = 0
-            processes_said = True
-        elif (procs := _PROCS.fullmatch(part)) and not processes_said:
-            values["max_processes"] = int(procs.group(1))
-            processes_said = True
-        else:
-            return None
-    exclude = [e.strip() for e in excluded.split(",") if e.strip()] if excluded else []
-    try:
-        criteria = Criteria.make(exclude=[int(e) if e.isdigit() else e for e in exclude], **values)
-    except (GpukitError, TypeError, ValueError):
-        return None
-    return criteria if criteria.describe() == text else None
-
-
 def _refusals(folder: Path) -> Callable[[int | None, int | None], str | None]:
     """``refusal(uid, n)``: why the server's policy keeps that waiter from claiming now."""
     try:
@@ -299,7 +212,7 @@ def _refusals(folder: Path) -> Callable[[int | None, int | None], str | None]:
 
 
 def _reasons(
-    line: Sequence[dict[str, Any]],
+    line: Sequence[Waiter],
     inv: Inventory,
     claims: dict[str, Holder],
     refusal: Callable[[int | None, int | None], str | None],
@@ -308,22 +221,20 @@ def _reasons(
     the policy lets claim is served as soon as enough GPUs qualify."""
     reasons = []
     first_allowed: int | None = None
-    for entry in line:
-        n, position = entry.get("n"), entry["position"]
-        refused = refusal(entry.get("uid"), n)
+    for waiter in line:
+        n = waiter.n
+        refused = refusal(waiter.uid, n)
         if refused:
             reasons.append(refused)
             continue
         if first_allowed is not None:
             reasons.append(f"behind position {first_allowed}")
             continue
-        first_allowed = position
-        text = entry.get("criteria")
-        criteria = criteria_from_text(text) if isinstance(text, str) else None
-        if criteria is None or type(n) is not int:
-            reasons.append("next in line")
+        first_allowed = waiter.position
+        if waiter.wants is None:
+            reasons.append("next in line (criteria unknown)")
             continue
-        ok = sum(v.ok for v in assess(inv, criteria, claims))
+        ok = sum(v.ok for v in assess(inv, waiter.wants, claims))
         reasons.append(
             f"{ok} of {n} GPU{'s' if n != 1 else ''} qualify"
             if ok < n
@@ -332,33 +243,24 @@ def _reasons(
     return reasons
 
 
-def _line(folder: Path) -> tuple[list[dict[str, Any]], Line]:
-    """The waiters in service order, as dicts of what their tickets say, and the whole line."""
-    fields = ("position", "pid", "user", "uid", "n", "criteria", "command", "since")
-    line = waiting.read_line(folder)
-    return [{k: getattr(w, k, None) for k in fields} for w in line.waiters], line
-
-
 def _waiters(
-    line: list[dict[str, Any]], inv: Inventory, claims: dict[str, Holder], folder: Path
+    line: Sequence[Waiter], inv: Inventory, claims: dict[str, Holder], folder: Path
 ) -> list[Waiting]:
     if not line:
         return []
     reasons = _reasons(line, inv, claims, _refusals(folder))
     return [
         Waiting(
-            position=entry["position"],
-            user=entry.get("user"),
-            pid=entry.get("pid"),
-            n=entry.get("n"),
-            criteria=(entry.get("criteria") or "any")
-            if entry.get("criteria") is not None
-            else None,
-            since=entry.get("since"),
+            position=waiter.position,
+            user=waiter.user,
+            pid=waiter.pid,
+            n=waiter.n,
+            criteria=waiter.criteria or "any",
+            since=waiter.since,
             reason=reason,
-            command=printable(entry.get("command"), limit=4096),
+            command=waiter.command or None,
         )
-        for entry, reason in zip(line, reasons, strict=True)
+        for waiter, reason in zip(line, reasons, strict=True)
     ]
 
 
@@ -502,13 +404,13 @@ def sharing(
     inv = inventory() if inv is None else inv
     # The line first, then the claims: a waiter leaves the line only once it holds its claim,
     # so read in this order, each process that waits or holds shows in one list at least.
-    line, read = _line(base)
+    read = waiting.read_line(base)
     claims = current_claims(base)
-    held = _holders(claims, inv, base, exclusive_flocks())
+    held = _holders(claims, inv)
     return Sharing(
         taken_at=inv.taken_at,
         holders=tuple(held),
-        waiters=tuple(_waiters(line, inv, claims, base)),
+        waiters=tuple(_waiters(read.waiters, inv, claims, base)),
         unclaimed=tuple(_unclaimed(inv, held)),
         idle=tuple(_idle(base, held, inv, idle_after, observe)),
         idle_after_s=idle_after,

@@ -49,6 +49,10 @@ __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", 
 # The line ignores a ticket whose record is over 64 KiB: a long command is cut, so that its
 # waiter keeps its place (JSON writes a character in up to 12 bytes: 4096 of them fit).
 _MAX_COMMAND = 4096
+# A record that would be past the bound all the same (an exclude list of thousands) keeps
+# its place without its criteria as data, and with its sentence cut to this many characters.
+_MOST_RECORD = 64 * 1024
+_MAX_CRITERIA = 1024
 # How many tickets no live waiter holds a waiter keeps from coming alive (one descriptor each).
 _MOST_PINS = 64
 
@@ -56,7 +60,8 @@ _MOST_PINS = 64
 class Ticket:
     """This process's place in the line of waiters; :meth:`close` leaves the line.
 
-    ``n``, ``criteria`` and ``command`` are recorded in the ticket for ``gpukit queue``.
+    ``n``, ``criteria`` (default: any idle GPU) and ``command`` are recorded in the ticket for
+    ``gpukit queue``: the criteria as a sentence and as data (:mod:`gpukit.gpus.line`).
 
     A ticket counts from when it became a live waiter, not from when it was named. A file can
     be named long before its creator locks it (which leaves its change time as it was), so on
@@ -71,23 +76,29 @@ class Ticket:
         folder: Path | None = None,
         *,
         n: int = 1,
-        criteria: str = "",
+        criteria: Criteria | None = None,
         command: str | None = None,
     ) -> None:
         self.queue = shared_dir(shared_dir(lock_dir() if folder is None else Path(folder)) / QUEUE)
         self._dir: int | None = open_folder(self.queue)
         name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
         uid = os.getuid()
+        criteria = Criteria() if criteria is None else criteria
         record = {
             "schema": TICKET_SCHEMA,
             "pid": os.getpid(),
             "user": user_name(uid),
             "uid": uid,
             "n": n,
-            "criteria": criteria,
+            "criteria": criteria.describe(),
+            "wants": criteria.to_json(),
             "command": (command if command is not None else " ".join(sys.argv))[:_MAX_COMMAND],
             "since": time.time(),
         }
+        data = json.dumps(record).encode()
+        if len(data) > _MOST_RECORD:
+            record.update(wants=None, criteria=criteria.describe()[:_MAX_CRITERIA])
+            data = json.dumps(record).encode()
         # Locked and written before it gets its visible name, so that no one ever sees it
         # unlocked or empty and takes it for an abandoned or forged ticket. Created private:
         # a co-user who opened it first could hold a shared lock on it and block ours forever.
@@ -107,7 +118,7 @@ class Ticket:
             )
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.write(self._fd, json.dumps(record).encode())
+                os.write(self._fd, data)
                 os.fchmod(self._fd, _TICKET_MODE)
                 self._pin_dormant()  # before the name appears: a watcher cannot race it
                 os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
@@ -258,7 +269,7 @@ def wait_and_claim(
     limits = policy.limits != Limits()
     start = time.monotonic()
     streak: dict[str, int] = {}
-    with Ticket(folder, n=n, criteria=criteria.describe(), command=command) as ticket:
+    with Ticket(folder, n=n, criteria=criteria, command=command) as ticket:
         while True:
             verdicts = assess(inv, criteria, current_claims(folder))
             streak = {v.gpu.uuid: streak.get(v.gpu.uuid, 0) + 1 for v in verdicts if v.ok}
