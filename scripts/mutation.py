@@ -85,6 +85,16 @@ CORE: dict[str, list[str]] = {
         "tests/test_distributed_loader_epochs.py",
         "tests/test_distributed_loader_rules.py",
     ],
+    "gpukit.untrusted": [
+        "tests/untrusted/test_bounded_reads.py",
+        "tests/untrusted/test_every_failure_is_invalid_input.py",
+        "tests/untrusted/test_opened_one_way.py",
+        "tests/untrusted/test_checked_by_type.py",
+        "tests/untrusted/test_printable.py",
+        "tests/untrusted/test_finite_out.py",
+        "tests/untrusted/test_streams_capped.py",
+        "tests/untrusted/test_written_in_one_step.py",
+    ],
     "gpukit._tree": [
         "tests/test_tree.py",
         "tests/test_transfer.py",
