@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from gpukit.distributed.hostlist import expand_hostlist
@@ -83,19 +83,6 @@ class Environment:
 
 SINGLE = Environment()
 
-_VARIABLES = {
-    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE"),
-    "mpi": (
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    "skypilot": ("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES"),
-}
-
-
 # -- Slurm host lists ------------------------------------------------------------------------
 
 
@@ -123,7 +110,8 @@ def _int(env: Mapping[str, str], name: str, source: str, default: int | None = N
     if raw is None:
         raise DistributedError(
             f"{source} started this process without {name} in the environment.",
-            hint=f"Set {name}, or unset {', '.join(_VARIABLES[source])} to run a single process.",
+            hint=f"Set {name}, or unset {', '.join(_BY_NAME[source].variables)} to run a single "
+            "process.",
         )
     try:
         return int(raw)
@@ -169,9 +157,18 @@ def _torchrun(env: Mapping[str, str]) -> Environment:
     nodes = _int(env, "GROUP_WORLD_SIZE", "torchrun", 0) or max(world // local_world, 1)
     node = _int(env, "GROUP_RANK", "torchrun", rank // local_world if local_world else 0)
     return Environment(
-        rank, world, local_rank, local_world, node, nodes, addr, port, "torchrun",
-        env.get("TORCHELASTIC_RUN_ID"), local_rank,
-    )  # fmt: skip
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=node,
+        num_nodes=nodes,
+        master_addr=addr,
+        master_port=port,
+        source="torchrun",
+        job_id=env.get("TORCHELASTIC_RUN_ID"),
+        cuda_index=local_rank,
+    )
 
 
 def _slurm_nodes(env: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -246,8 +243,22 @@ def _slurm(env: Mapping[str, str]) -> Environment:
     if env.get("SLURM_GPUS_PER_TASK") and _visible_count(env) in (None, *range(local_world)):
         cuda, bound = 0, True  # --gpus-per-task binds each task to its GPUs: seen from cuda:0
     job_id = None if job is None else (f"{job}.{step}" if step else job)
+    if world == 1:
+        # One Slurm task is an ordinary single process: no group, no rendezvous needed.
+        return replace(SINGLE, job_id=job_id)
     return Environment(
-        rank, world, local_rank, local_world, node, nodes, addr, port, "slurm", job_id, cuda, bound
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=node,
+        num_nodes=nodes,
+        master_addr=addr,
+        master_port=port,
+        source="slurm",
+        job_id=job_id,
+        cuda_index=cuda,
+        bound_gpus=bound,
     )
 
 
@@ -264,10 +275,22 @@ def _mpi(env: Mapping[str, str]) -> Environment:
         )
     job = env.get("OMPI_MCA_ess_base_jobid") or None  # each mpirun's job has its own
     addr, port = _rendezvous(env, None, job_port(job) if job else DEFAULT_PORT)
-    return Environment(
-        rank, world, local_rank, local_world, rank // local_world, world // local_world,
-        addr, port, "mpi", job, local_rank,
-    )  # fmt: skip
+    found = Environment(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=rank // local_world,
+        num_nodes=world // local_world,
+        master_addr=addr,
+        master_port=port,
+        source="mpi",
+        job_id=job,
+        cuda_index=local_rank,
+    )
+    if _in_slurm_step(env):
+        _mpi_inside_slurm(env, found)
+    return found
 
 
 def _mpi_inside_slurm(env: Mapping[str, str], mpi: Environment) -> None:
@@ -315,7 +338,19 @@ def _skypilot(env: Mapping[str, str]) -> Environment:
     addr, port = _rendezvous(env, ips[0] if ips else None, job_port(task) if task else None)
     if port is None:
         port = DEFAULT_PORT
-    return Environment(node, nodes, 0, 1, node, nodes, addr, port, "skypilot", task, 0)
+    return Environment(
+        rank=node,
+        world_size=nodes,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=node,
+        num_nodes=nodes,
+        master_addr=addr,
+        master_port=port,
+        source="skypilot",
+        job_id=task,
+        cuda_index=0,
+    )
 
 
 def _visible_count(env: Mapping[str, str]) -> int | None:
@@ -326,12 +361,78 @@ def _visible_count(env: Mapping[str, str]) -> int | None:
     return None if entries is None else len(entries)
 
 
+# How messages name the local rank and the processes per node of a launcher without variables
+# for them (SkyPilot starts one process per node), or of a single process.
+_NO_LAUNCHER = ("local rank", "processes per node")
+
+
+@dataclass(frozen=True)
+class _Launcher:
+    """One launcher or scheduler: how its variables show it started this process, how to read them.
+
+    ``detect`` and ``read`` are pure functions of the mapping they are given: unlike Lightning's
+    ``ClusterEnvironment``, nothing here sets variables, in the mapping or in ``os.environ``.
+    ``read`` runs only where ``detect`` said yes; it returns ``source=name`` (or, for a job
+    that is an ordinary single process, ``source=None``) or raises
+    :class:`~gpukit.errors.DistributedError`.
+    """
+
+    name: str
+    """``Environment.source`` for the processes it started."""
+    detect: Callable[[Mapping[str, str]], bool]
+    read: Callable[[Mapping[str, str]], Environment]
+    variables: tuple[str, ...]
+    """What to unset to run a single process, named in hints."""
+    local_names: tuple[str, str] = _NO_LAUNCHER
+    """The variables of the local rank and of the processes per node, named in errors."""
+
+
+_LAUNCHERS: tuple[_Launcher, ...] = (
+    # The launcher that started this process before the scheduler around it: torchrun under
+    # srun reads as torchrun, and mpirun's ranks as Open MPI before the srun step they
+    # inherit from mpirun's daemons (or mpirun itself), which describes that step.
+    _Launcher(
+        name="torchrun",
+        detect=lambda env: "RANK" in env or "WORLD_SIZE" in env,
+        read=_torchrun,
+        variables=("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        local_names=("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ),
+    _Launcher(
+        name="mpi",
+        detect=lambda env: "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env,
+        read=_mpi,
+        variables=(
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
+        local_names=("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ),
+    _Launcher(
+        name="slurm",
+        detect=lambda env: "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _in_slurm_step(env),
+        read=_slurm,
+        variables=("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE"),
+        local_names=("SLURM_LOCALID", "SLURM_TASKS_PER_NODE"),
+    ),
+    _Launcher(
+        name="skypilot",
+        detect=lambda env: "SKYPILOT_NODE_RANK" in env and "SKYPILOT_NUM_NODES" in env,
+        read=_skypilot,
+        variables=("SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES"),
+    ),
+)
+"""Every launcher gpukit reads, in priority order: the first whose ``detect`` says yes wins."""
+
+_BY_NAME = {launcher.name: launcher for launcher in _LAUNCHERS}
+
+
 def _names(source: str | None) -> tuple[str, str]:
-    return {
-        "torchrun": ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-        "slurm": ("SLURM_LOCALID", "SLURM_TASKS_PER_NODE"),
-        "mpi": ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    }.get(source or "", ("local rank", "processes per node"))
+    """The variables of the local rank and of the processes per node, for messages."""
+    found = _BY_NAME.get(source or "")
+    return _NO_LAUNCHER if found is None else found.local_names
 
 
 def check_devices(found: Environment, visible: int, what: str) -> None:
@@ -414,25 +515,11 @@ def environment(env: Mapping[str, str] | None = None) -> Environment:
     (5, 1, 1, 'gpu07', 19242, 'slurm')
     """
     env = os.environ if env is None else env
-    found: Environment
-    if "RANK" in env or "WORLD_SIZE" in env:
-        found = _torchrun(env)
-    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
-        # Before Slurm: mpirun's ranks inside an allocation inherit the variables of the srun
-        # step that started mpirun's daemons (or mpirun itself), which describe that step.
-        found = _mpi(env)
-        if _in_slurm_step(env):
-            _mpi_inside_slurm(env, found)
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _in_slurm_step(env):
-        found = _slurm(env)
-        if found.world_size == 1:
-            # One Slurm task is an ordinary single process: no group, no rendezvous needed.
-            return replace(SINGLE, job_id=found.job_id)
-    elif "SKYPILOT_NODE_RANK" in env and "SKYPILOT_NUM_NODES" in env:
-        found = _skypilot(env)
-    else:
-        return SINGLE
-    return _check(found, env)
+    for launcher in _LAUNCHERS:
+        if launcher.detect(env):
+            found = launcher.read(env)
+            return _check(found, env) if found.launched else found
+    return SINGLE
 
 
 def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> list[str]:
