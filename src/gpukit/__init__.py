@@ -69,6 +69,8 @@ _EXPORTS: dict[str, str] = {
     "pick": "gpukit.gpus.select",
     "claim": "gpukit.gpus.select",
     "acquire": "gpukit.gpus.acquire",
+    "GpuRequest": "gpukit.gpus.acquire",
+    "acquire_request": "gpukit.gpus.acquire",
     # parallel
     "DataParallel": "gpukit.parallel.data_parallel",
     # checkpoints

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from gpukit.cli._args import Number, Percent, Size
-from gpukit.errors import InvalidArgumentError
 from gpukit.gpus.select import ORDERS, Criteria
 
 
@@ -60,9 +59,7 @@ def excluded(args: argparse.Namespace) -> list[int | str]:
 
 
 def criteria_from(args: argparse.Namespace) -> Criteria:
-    """The Criteria the options ask for."""
-    if args.gpus < 1:
-        raise InvalidArgumentError(f"-n {args.gpus} asks for no GPU.", hint="Use -n 1 or more.")
+    """The Criteria the options ask for (``-n`` is checked by its parser and by the request)."""
     return Criteria.make(
         min_free=args.min_free,
         max_util=args.max_util,

@@ -27,11 +27,12 @@ import time
 from collections.abc import Mapping, Sequence
 
 from gpukit.cli._args import Number, Seconds
-from gpukit.cli._criteria import add_criteria, criteria_from, excluded
+from gpukit.cli._criteria import add_criteria, criteria_from
 from gpukit.cli._launch import launch
 from gpukit.cli._output import print_error, say_if_fake
 from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.gpus.acquire import POLL_VAR, acquire, poll_interval
+from gpukit.gpus.acquire import POLL_VAR, GpuRequest, acquire_request, poll_interval
+from gpukit.gpus.claims import lock_dir
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import load_policy
 
@@ -239,10 +240,27 @@ def _cpu_only(args: argparse.Namespace, argv: list[str], reason: NoDriverError) 
     return launch(argv, ddp_env(args.torchrun_arg, env) if args.ddp else env)
 
 
+def _request(args: argparse.Namespace) -> GpuRequest:
+    """The request the options make, checked once: every option's mistake, before anything is
+    read."""
+    if args.poll is not None:
+        poll_interval()  # a bad $GPUKIT_POLL_INTERVAL is refused by every run, --poll or not
+    return GpuRequest(
+        args.gpus,
+        criteria_from(args),
+        order=args.order,
+        wait=args.wait,
+        timeout=args.timeout,
+        poll=args.poll,
+        settle=args.settle,
+        all_gpus=args.all_gpus,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Pick, claim (waiting if asked), run the command, return its exit status."""
     cmd = _command(args)
-    criteria_from(args)  # the options' own mistakes, before anything is read
+    request = _request(args)
     if args.torchrun_arg and not args.ddp:
         raise InvalidArgumentError(
             f"--torchrun-arg={args.torchrun_arg[0]} without --ddp: no torchrun to give it to.",
@@ -250,46 +268,28 @@ def run(args: argparse.Namespace) -> int:
         )
     # Under --ddp, a job that cannot work this way is refused before any GPU is claimed.
     argv = ddp_command(cmd, args.gpus, args.torchrun_arg) if args.ddp else cmd
-    configured = poll_interval()  # a bad $GPUKIT_POLL_INTERVAL is refused by every run
-    poll = configured if args.poll is None else args.poll
-    if args.settle < 1 or not poll > 0 or poll == float("inf"):
-        raise InvalidArgumentError(
-            f"--settle {args.settle} --poll {poll}: both must be positive numbers.",
-            hint="Use e.g. --settle 3 --poll 2.",
-        )
-    if args.timeout is not None and not args.timeout >= 0:  # also refuses nan
-        raise InvalidArgumentError(
-            f"--timeout {args.timeout:g} is not a number of seconds to wait.",
-            hint="Use 0 or more, e.g. --timeout 3600; leave it out to wait as long as it takes.",
-        )
     say_if_fake("run")
     try:
-        first = [inventory()]
+        machine = inventory()
     except NoDriverError as exc:
         if args.cpu_ok:
             return _cpu_only(args, argv, exc)
         raise
-    ignored = load_policy().ignored
-    if ignored:  # a co-user's policy.toml: not a policy, but the administrator may want to know
-        print(f"gpukit run: warning: {ignored}", file=sys.stderr)
-    waits = args.wait or args.timeout is not None
+    folder = lock_dir()
+    policy = load_policy(folder)
+    # A co-user's policy.toml: not a policy, but the administrator may want to know.
+    if policy.ignored:
+        print(f"gpukit run: warning: {policy.ignored}", file=sys.stderr)
+    waits = request.wait
     status = _Status()
     try:
-        held = acquire(
-            args.gpus,
-            min_free=args.min_free,
-            max_util=args.max_util,
-            max_processes=args.max_processes,
-            exclude=excluded(args),
-            order=args.order,
-            wait=waits,
-            timeout=args.timeout,
-            poll=poll,
-            settle=args.settle,
+        held = acquire_request(
+            request,
+            machine,
+            folder=folder,
+            policy=policy,
             command=shlex.join(cmd),
             on_status=status,
-            read=lambda: first.pop() if first else inventory(),
-            all_gpus=args.all_gpus,
         )
     except GpukitError as exc:
         if waits:

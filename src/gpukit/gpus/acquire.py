@@ -16,26 +16,28 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError, check_bool
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir
-from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.policy import holdings, load_policy
+from gpukit.gpus.inventory import GPU, Inventory, inventory
+from gpukit.gpus.policy import Limits, Policy, holdings, load_policy
 from gpukit.gpus.select import (
     ORDERS,
     Criteria,
     Order,
+    Verdict,
     assess,
+    best_first,
     check_user_limit,
-    choose,
     within_grant,
 )
 from gpukit.gpus.select import no_gpu_error as _no_gpu_error
 from gpukit.gpus.waiting import wait_and_claim
 from gpukit.untrusted import MAX_SECONDS
 
-__all__ = ["POLL_VAR", "acquire", "poll_interval"]
+__all__ = ["POLL_VAR", "GpuRequest", "acquire", "acquire_request", "poll_interval"]
 
 POLL_VAR = "GPUKIT_POLL_INTERVAL"
 """Seconds between two readings of the GPUs while waiting, when ``poll`` is not given."""
@@ -97,6 +99,89 @@ def poll_interval(poll: float | None = None) -> float:
     return _seconds(configured, POLL_VAR, zero=False, example=f"{POLL_VAR}=2", most=MAX_SECONDS)
 
 
+@dataclass(frozen=True)
+class GpuRequest:
+    """GPUs to acquire, checked once, when the request is made; what :func:`acquire_request` takes.
+
+    ``n`` GPUs that meet ``criteria`` (:meth:`gpukit.gpus.select.Criteria.make`), best first by
+    ``order``; ``wait`` in line for them (a ``timeout`` in seconds implies it; ``inf`` waits as
+    long as it takes), polling every ``poll`` seconds and taking GPUs that qualified ``settle``
+    polls in a row; only among the GPUs this process was granted unless ``all_gpus``.
+
+    Every field is checked here and nowhere downstream, so a bad value is refused before any
+    GPU or lock file is read, as InvalidArgumentError (exit 2). Once made, the request holds
+    its final values: ``poll`` the seconds in force (given, else ``$GPUKIT_POLL_INTERVAL``,
+    else 2), ``timeout`` a number of seconds or ``None`` (no limit), and ``wait`` True whenever
+    a timeout was given. :meth:`make` builds one from :func:`acquire`'s arguments.
+
+    >>> GpuRequest.make(2, min_free="20GiB", timeout=3600).wait
+    True
+    """
+
+    n: int = 1
+    criteria: Criteria = field(default_factory=Criteria)
+    order: Order = "free"
+    wait: bool = False
+    timeout: float | None = None
+    poll: float | None = None
+    settle: int = 3
+    all_gpus: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool("wait", self.wait)
+        check_bool("all_gpus", self.all_gpus)
+        n = self.n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgumentError(
+                f"Cannot acquire {n!r} GPUs.", hint="Ask for 1 or more, as an int."
+            )
+        if not isinstance(self.criteria, Criteria):
+            raise InvalidArgumentError(
+                f"criteria={self.criteria!r} are not Criteria.",
+                hint="Make them with Criteria.make(min_free=..., ...), or use GpuRequest.make.",
+            )
+        if self.order not in ORDERS:
+            raise InvalidArgumentError(
+                f"order={self.order!r} is not an order gpukit knows.",
+                hint=f"Use one of {ORDERS}.",
+            )
+        settle = self.settle
+        if not isinstance(settle, int) or isinstance(settle, bool) or settle < 1:
+            raise InvalidArgumentError(
+                f"settle={settle!r} is not a number of polls.",
+                hint="Use 1 or more, e.g. settle=3.",
+            )
+        object.__setattr__(self, "poll", poll_interval(self.poll))
+        if self.timeout is not None:
+            limit = _seconds(
+                self.timeout, "timeout", zero=True, example="timeout=3600", forever=True
+            )
+            object.__setattr__(self, "timeout", None if limit == math.inf else limit)
+            object.__setattr__(self, "wait", True)
+
+    @classmethod
+    def make(
+        cls,
+        n: int = 1,
+        *,
+        min_free: int | float | str | None = None,
+        max_util: float | None = None,
+        max_processes: int | None = None,
+        exclude: Iterable[int | str] = (),
+        order: Order = "free",
+        wait: bool = False,
+        timeout: float | None = None,
+        poll: float | None = None,
+        settle: int = 3,
+        all_gpus: bool = False,
+    ) -> GpuRequest:
+        """The request :func:`acquire`'s arguments describe (their meaning is said there)."""
+        criteria = Criteria.make(
+            min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
+        )
+        return cls(n, criteria, order, wait, timeout, poll, settle, all_gpus)
+
+
 def acquire(
     n: int = 1,
     *,
@@ -129,7 +214,8 @@ def acquire(
     ``on_status`` receives a line of text at each poll; ``read`` reads the GPUs (default
     :func:`gpukit.inventory`; tests pass a stand-in). Only the GPUs this process was granted
     (``CUDA_VISIBLE_DEVICES``, or Slurm's ``SLURM_STEP_GPUS`` / ``SLURM_JOB_GPUS``) are
-    chosen from, unless ``all_gpus``.
+    chosen from, unless ``all_gpus``. The arguments make one :class:`GpuRequest`, checked
+    once, which :func:`acquire_request` carries out.
 
     Raises InvalidArgumentError for bad arguments (an ``exclude`` naming a GPU the machine
     does not have included), UserLimitError (exit 4) when this user already holds their share,
@@ -140,53 +226,81 @@ def acquire(
     >>> held.indices, held.release()                       # doctest: +SKIP
     ([3], None)
     """
-    check_bool("wait", wait)
-    check_bool("all_gpus", all_gpus)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise InvalidArgumentError(
-            f"Cannot acquire {n!r} GPUs.", hint="Ask for 1 or more, as an int."
-        )
-    if order not in ORDERS:
-        raise InvalidArgumentError(
-            f"order={order!r} is not an order gpukit knows.", hint=f"Use one of {ORDERS}."
-        )
-    if not isinstance(settle, int) or isinstance(settle, bool) or settle < 1:
-        raise InvalidArgumentError(
-            f"settle={settle!r} is not a number of polls.", hint="Use 1 or more, e.g. settle=3."
-        )
-    interval = poll_interval(poll)
-    limit = None
-    if timeout is not None:
-        limit = _seconds(timeout, "timeout", zero=True, example="timeout=3600", forever=True)
-    criteria = Criteria.make(
-        min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
+    request = GpuRequest.make(
+        n,
+        min_free=min_free,
+        max_util=max_util,
+        max_processes=max_processes,
+        exclude=exclude,
+        order=order,
+        wait=wait,
+        timeout=timeout,
+        poll=poll,
+        settle=settle,
+        all_gpus=all_gpus,
     )
-    folder = lock_dir()
-    policy = load_policy(folder)
-    inv = read()
-    criteria.check_exclude(inv)
-    if not all_gpus:
+    return acquire_request(request, command=command, on_status=on_status, read=read)
+
+
+def acquire_request(
+    request: GpuRequest,
+    machine: Inventory | None = None,
+    *,
+    folder: Path | None = None,
+    policy: Policy | None = None,
+    command: str | None = None,
+    on_status: Callable[[str], None] | None = None,
+    read: Callable[[], Inventory] = inventory,
+) -> Claim:
+    """Carry out ``request`` as :func:`acquire` does, from readings the caller may already have.
+
+    ``machine`` is the machine's inventory as just read (default: ``read()`` now); a waiter
+    reads the GPUs again with ``read`` at each later poll. ``folder`` is the lock folder
+    (default :func:`~gpukit.gpus.claims.lock_dir`) and ``policy`` its policy, already loaded
+    from it (default :func:`~gpukit.gpus.policy.load_policy`). The request is not checked
+    again; only what needs the machine is (an ``exclude`` naming no GPU of it, the grant).
+    Raises what :func:`acquire` raises.
+
+    >>> request = GpuRequest.make(2, min_free="20GiB")     # doctest: +SKIP
+    >>> with acquire_request(request, command="train") as held: ...   # doctest: +SKIP
+    """
+    if not isinstance(request, GpuRequest):
+        raise InvalidArgumentError(
+            f"Cannot acquire {request!r}: not a GpuRequest.",
+            hint="Make one with GpuRequest.make(n, ...), or call gk.acquire(n, ...).",
+        )
+    folder = lock_dir() if folder is None else Path(folder)
+    policy = load_policy(folder) if policy is None else policy
+    inv = read() if machine is None else machine
+    n, criteria = request.n, request.criteria
+    if request.all_gpus:
+        criteria.check_exclude(inv)
+    else:  # checks the exclusions against the whole machine, then narrows to the grant
         inv, criteria = within_grant(inv, n, criteria)
-        read = _granted_reader(read, criteria, inv)
-    if wait or limit is not None:
+    if request.wait:
+        assert request.poll is not None  # resolved when the request was made
         return wait_and_claim(
             n,
             criteria,
-            order=order,
-            timeout=None if limit == math.inf else limit,
-            settle=settle,
-            poll=interval,
+            order=request.order,
+            timeout=request.timeout,
+            settle=request.settle,
+            poll=request.poll,
             command=command,
             policy=policy,
             folder=folder,
             on_status=on_status or (lambda text: None),
-            read=read,
+            read=_polls(read, criteria, inv),
         )
+    verdicts = assess(inv, criteria, current_claims(folder))
     if sum(criteria.could_ever_qualify(g) for g in inv.gpus) < n:
-        raise _no_gpu_error(inv, n, criteria, assess(inv, criteria, current_claims(folder)))
+        raise _no_gpu_error(inv, n, criteria, verdicts)
     check_user_limit(n, policy)
+    limits = policy.limits != Limits()
     for attempt in range(_CLAIM_TRIES):
-        gpus = choose(inv, n, criteria, order=order, claims=current_claims(folder))
+        if attempt:
+            verdicts = assess(inv, criteria, current_claims(folder))
+        gpus = _best(inv, n, criteria, request.order, verdicts)
         try:
             held = claim(gpus, command=command, folder=folder)
         except ClaimError:
@@ -195,7 +309,7 @@ def acquire(
             continue
         # Another process of this user may have claimed at the same moment: never past the
         # limit, even for a moment's race; give these back and say so.
-        if policy.refusal(os.getuid(), 0, holdings(folder)) is not None:
+        if limits and policy.refusal(os.getuid(), 0, holdings(folder)) is not None:
             held.release()
             raise UserLimitError(
                 policy.explain(os.getuid(), n, holdings(folder)),
@@ -206,20 +320,31 @@ def acquire(
     raise AssertionError("unreachable")
 
 
-def _granted_reader(
+def _best(
+    inv: Inventory, n: int, criteria: Criteria, order: str, verdicts: list[Verdict]
+) -> list[GPU]:
+    """The ``n`` best qualifying GPUs by ``verdicts``, or NoGpuAvailableError saying why not."""
+    good = best_first((v.gpu for v in verdicts if v.ok), order)
+    if len(good) < n:
+        raise _no_gpu_error(inv, n, criteria, verdicts)
+    return good[:n]
+
+
+def _polls(
     read: Callable[[], Inventory], criteria: Criteria, first: Inventory
 ) -> Callable[[], Inventory]:
-    """``read`` narrowed to the granted GPUs, giving ``first`` (already read) once first.
+    """A waiter's readings: ``first`` (already read), then ``read()`` at each later poll.
 
-    A waiter then counts and describes the GPUs its job may use ("0 of 2 qualify"), as
-    ``gpukit pick`` does, not every GPU of the machine.
+    Under a grant each reading is narrowed to the granted GPUs, so that a waiter counts and
+    describes the GPUs its job may use ("0 of 2 qualify"), as ``gpukit pick`` does, not every
+    GPU of the machine.
     """
-    if criteria.grant is None:
-        return read
     pending = [first]
 
-    def granted() -> Inventory:
+    def reading() -> Inventory:
         inv = pending.pop() if pending else read()
+        if criteria.grant is None:
+            return inv
         return replace(inv, gpus=tuple(g for g in inv.gpus if criteria.grants(g)))
 
-    return granted
+    return reading
