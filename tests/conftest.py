@@ -181,4 +181,4 @@ def cuda_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process has not started CUDA (even where an earlier test on a GPU machine did)."""
     import gpukit.gpus.visible as visible
 
-    monkeypatch.setattr(visible, "_cuda_initialized", lambda: False)
+    monkeypatch.setattr(visible, "cuda_started", lambda *, by_torch=False: False)

@@ -450,9 +450,9 @@ def test_single_file_save_onto_an_existing_folder_is_a_checkpoint_error(tmp_path
     ],
 )
 def test_max_shard_size_reads_bytes_and_human_sizes(size: object, expected: int):
-    from gpukit.checkpoint.sharded import parse_size
+    from gpukit.sizes import parse_shard_size
 
-    assert parse_size(size) == expected
+    assert parse_shard_size(size) == expected
 
 
 @pytest.mark.parametrize("size", ["2XB", "-1", 0, -5, True, 1.5, "", "GB", "nan"])

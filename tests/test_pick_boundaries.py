@@ -16,7 +16,8 @@ import pytest
 import gpukit as gk
 from gpukit.errors import InvalidArgumentError, NoGpuAvailableError
 from gpukit.gpus.inventory import GPU, Inventory, inventory
-from gpukit.gpus.select import Criteria, parse_size, pick
+from gpukit.gpus.select import Criteria, pick
+from gpukit.sizes import parse_size
 from tests.conftest import MACHINES, CliRunner, subprocess_env
 
 A100 = MACHINES / "server-8xA100-shared.json"

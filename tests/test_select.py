@@ -27,11 +27,10 @@ from gpukit.gpus.select import (
     best_first,
     check_user_limit,
     choose,
-    format_size,
     no_gpu_error,
-    parse_size,
     pick,
 )
+from gpukit.sizes import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 MACHINES = sorted((Path(__file__).parent / "fixtures" / "machines").glob("*.json"))

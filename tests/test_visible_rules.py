@@ -374,7 +374,7 @@ def test_once_cuda_started_the_refusal_names_the_value_cuda_read_and_how_to_star
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setattr(visible, "_cuda_initialized", lambda: True)
+    monkeypatch.setattr(visible, "cuda_started", lambda *, by_torch=False: True)
     with pytest.raises(CudaAlreadyInitializedError) as info:
         gk.set_visible_devices([1])
     assert "Cannot set CUDA_VISIBLE_DEVICES=1" in info.value.message

@@ -61,8 +61,12 @@ _cuda_count = cuda_device_count
 
 
 def cuda_initialized() -> bool:
-    """Whether CUDA has started in this process (never starts it)."""
-    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+    """Whether torch has set CUDA up in this process, so that asking torch about the current
+    device or the CUDA random states starts nothing: :func:`gpukit.gpus.visible.cuda_started`
+    with ``by_torch=True`` (never starts it)."""
+    from gpukit.gpus.visible import cuda_started
+
+    return cuda_started(by_torch=True)
 
 
 def _mps_available() -> bool:

@@ -44,7 +44,7 @@ from gpukit.checkpoint.paths import (
 from gpukit.checkpoint.plan import plan_load, tied_groups
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
-from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, parse_size, write_shards
+from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, write_shards
 from gpukit.devices import DeviceLike, device, module_device
 from gpukit.errors import (
     CheckpointError,
@@ -52,6 +52,7 @@ from gpukit.errors import (
     MixedDevicesError,
     check_bool,
 )
+from gpukit.sizes import DEFAULT_SHARD_SIZE, parse_shard_size
 
 __all__ = ["LoadReport", "SaveTarget", "check_save_target", "clean_state_dict", "load", "save"]
 
@@ -162,7 +163,6 @@ def is_layout_file(name: str) -> bool:
 
 
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-DEFAULT_SHARD_SIZE = "5GB"
 SHARDED = "sharded safetensors"
 
 
@@ -208,9 +208,8 @@ def check_save_target(
         )
     sharded = max_shard_size is not None or path.suffix == ""
     if sharded:
-        limit: int | None = parse_size(
-            DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size
-        )
+        given = DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size
+        limit: int | None = parse_shard_size(given, option=option)
         fmt = SHARDED
     else:
         limit, fmt = None, suffix_format(path)
@@ -235,8 +234,9 @@ def save(
     first, so keys never carry ``module.`` or ``_orig_mod.``; optimizers and schedulers in a dict
     are saved as their state dicts. The path picks the layout: ``.safetensors`` (weights only)
     or ``.pt`` / ``.pth`` is one file (and ``max_shard_size`` with such a path is refused); a
-    path without a suffix, or with ``max_shard_size`` (bytes, ``"2GB"``, ``"500MiB"``; 5GB by
-    default), is a folder in Hugging Face's sharded safetensors layout
+    path without a suffix, or with ``max_shard_size`` (bytes, or ``"2GB"``, ``"1.5G"``,
+    ``"500MiB"`` as :func:`gpukit.sizes.parse_size` reads them; 5GB by default), is a folder in
+    Hugging Face's sharded safetensors layout
     (``model-00001-of-00002.safetensors``... and ``model.safetensors.index.json``), which
     Hugging Face's loaders read. Missing parent folders are created (as ``mkdir -p`` does)
     when the nearest existing one is writable. A folder is written

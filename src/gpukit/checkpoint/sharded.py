@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ import torch
 from gpukit import untrusted
 from gpukit.checkpoint.paths import fd_path, fs_error, open_content
 from gpukit.checkpoint.safetensors_format import DTYPES, write_safetensors
-from gpukit.errors import CheckpointError, InvalidArgumentError
+from gpukit.errors import CheckpointError
 from gpukit.untrusted import InvalidInput
 
 __all__ = [
@@ -35,7 +33,6 @@ __all__ = [
     "SAFETENSORS_INDEX",
     "ShardedFolder",
     "open_index",
-    "parse_size",
     "plan_shards",
     "shard_names",
     "write_shards",
@@ -44,54 +41,12 @@ __all__ = [
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 INDEX_NAMES = {SAFETENSORS_INDEX: "safetensors", "pytorch_model.bin.index.json": "torch"}
 _FROM_CODE = {code: dtype for dtype, code in DTYPES.items()}
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 HEADER_LIMIT = 100_000_000
 """The largest safetensors header read: safetensors itself refuses larger ones."""
 INDEX_LIMIT = 100_000_000
 """The largest index file read (a 400B-parameter model's is a few megabytes)."""
 _MAX_ENTRIES = 1 << 22
 _MAX_DIMS = 64
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: object) -> int:
-    """Bytes from ``2_000_000``, ``"2GB"`` (10⁹ bytes, as Hugging Face counts) or ``"500MiB"``.
-
-    >>> parse_size("500MiB")
-    524288000
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (found := _SIZE.match(value)):
-        number, unit = found.groups()
-        if unit.upper() not in _UNITS:
-            raise InvalidArgumentError(
-                f"max_shard_size {value!r}: unknown unit {unit!r}.",
-                hint="Use bytes or a size such as '2GB', '500MB' or '512MiB'.",
-            )
-        size = int(Fraction(number) * _UNITS[unit.upper()])  # exact, however many digits
-    else:
-        raise InvalidArgumentError(
-            f"max_shard_size must be a number of bytes or a size such as '2GB', not {value!r}.",
-            hint="Use bytes or a size such as '2GB', '500MB' or '512MiB'.",
-        )
-    if size <= 0:
-        raise InvalidArgumentError(
-            f"max_shard_size must be positive, not {value!r}.",
-            hint="Use a size such as '2GB'.",
-        )
-    return size
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 from gpukit.errors import InvalidArgumentError
 from gpukit.untrusted import MAX_SECONDS
 
-__all__ = ["Number", "OutputFile", "Percent", "Seconds", "Size"]
+__all__ = ["Number", "OutputFile", "Percent", "Seconds", "ShardSize", "Size"]
 
 _MAX_TEXT = 64  # characters: more is never a number a person meant
 _INTEGER = re.compile(r"[+-]?[0-9]+")
@@ -113,7 +113,7 @@ class Size:
     """
 
     def __call__(self, text: str) -> str:
-        from gpukit.gpus.select import parse_size
+        from gpukit.sizes import parse_size
 
         cleaned = text.strip()
         if len(cleaned) > _MAX_TEXT:
@@ -125,6 +125,26 @@ class Size:
             )
         try:
             parse_size(text)
+        except InvalidArgumentError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+
+@dataclass(frozen=True)
+class ShardSize:
+    """The largest shard of a checkpoint folder (``2GB``, ``1.5G``, ``500MiB``, or bytes:
+    ``4096``), as gk.save's ``max_shard_size`` reads it; returned as written.
+
+    A number without a unit is bytes here, as in Hugging Face's ``max_shard_size``.
+    """
+
+    def __call__(self, text: str) -> str:
+        from gpukit.sizes import parse_shard_size
+
+        if len(text.strip()) > _MAX_TEXT:
+            raise _refuse(text, 'a shard size such as "2GB" or "500MiB"')
+        try:
+            parse_shard_size(text, option=None)
         except InvalidArgumentError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return text

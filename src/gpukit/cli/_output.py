@@ -54,8 +54,8 @@ def na(value: object, fmt: str = "{}") -> str:
 
 
 def human_bytes(n: float | None) -> str:
-    """``1536 -> '1.5 KiB'`` (:func:`gpukit.gpus.select.format_size`); ``None -> 'n/a'``."""
-    from gpukit.gpus.select import format_size
+    """``1536 -> '1.5 KiB'`` (:func:`gpukit.sizes.format_size`); ``None -> 'n/a'``."""
+    from gpukit.sizes import format_size
 
     return "n/a" if n is None else format_size(n)
 

@@ -20,8 +20,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpukit.cli._args import ShardSize
 from gpukit.cli._output import console, human_bytes, print_json
 from gpukit.errors import CheckpointError
+from gpukit.sizes import DEFAULT_SHARD_SIZE
 
 if TYPE_CHECKING:
     from rich.tree import Tree
@@ -69,7 +71,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     convert.add_argument(
         "--max-shard-size",
         metavar="SIZE",
-        help="write a sharded folder with shards of at most SIZE (e.g. 2GB, 500MiB; default 5GB)",
+        type=ShardSize(),
+        help="write a sharded folder with shards of at most SIZE (e.g. 2GB, 1.5G, 500MiB; "
+        f"GB is 10**9 bytes, G and GiB 2**30; default {DEFAULT_SHARD_SIZE})",
     )
     convert.add_argument("--trust", action="store_true", help=_TRUST_HELP)
 

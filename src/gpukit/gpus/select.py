@@ -19,12 +19,9 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from fractions import Fraction
 from typing import Any, Literal
 
 from gpukit.errors import InvalidArgumentError, NoGpuAvailableError, UserLimitError
@@ -32,6 +29,7 @@ from gpukit.gpus.claims import Claim, Holder, claim, current_claims
 from gpukit.gpus.inventory import GPU, Inventory
 from gpukit.gpus.policy import Policy, holdings, load_policy
 from gpukit.gpus.visible import Grant, granted_gpus
+from gpukit.sizes import MOST_SIZE, format_size, parse_size
 from gpukit.untrusted import InvalidInput, as_dict, as_int, as_list, as_str
 
 __all__ = [
@@ -45,8 +43,6 @@ __all__ = [
     "choose",
     "claim",
     "current_claims",
-    "format_size",
-    "parse_size",
     "pick",
     "within_grant",
 ]
@@ -54,24 +50,6 @@ __all__ = [
 Order = Literal["free", "index", "util"]
 ORDERS: tuple[str, ...] = ("free", "index", "util")
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "k": 2**10,
-    "kib": 2**10,
-    "m": 2**20,
-    "mib": 2**20,
-    "g": 2**30,
-    "gib": 2**30,
-    "t": 2**40,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$", re.ASCII)
-_MAX_SIZE = 2**100  # far past any GPU, and still a float for messages
 CRITERIA_SCHEMA = "gpukit.criteria/1"
 """The ``schema`` field of :meth:`Criteria.to_json`."""
 _CRITERIA_FIELDS = frozenset(
@@ -80,77 +58,6 @@ _CRITERIA_FIELDS = frozenset(
 _GRANT_FIELDS = frozenset({"indices", "variable", "value"})
 _MOST_EXCLUDED = 1024  # entries of ``exclude`` read back: more than any machine has GPUs
 _MOST_NUMBER = 2**32 - 1  # process counts and GPU indices
-
-
-def parse_size(value: int | float | str) -> int:
-    """Bytes from a number of bytes or a size such as ``"8GiB"``, ``"500MB"``, ``"1.5G"``.
-
-    ``KB/MB/GB/TB`` are powers of 1000, ``KiB/MiB/GiB/TiB`` and the bare ``K/M/G/T`` powers of
-    1024 (as nvidia-smi's MiB). A number without a unit (``20``, ``"20"``) is bytes; as no GPU
-    is chosen by less than a mebibyte of free memory, such a number from 1 byte to 1 MiB warns
-    (``min_free=20`` is most likely meant as ``"20GiB"``). The command line refuses a number
-    without a unit outright.
-
-    >>> parse_size("8GiB"), parse_size("500MB"), parse_size(2**20), parse_size("20B")
-    (8589934592, 500000000, 1048576, 20)
-    """
-    hint = 'Write a number of bytes or a size with a unit, e.g. "8GiB", "500MB".'
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InvalidArgumentError(f"{_shown(value)} is not a memory size.", hint=hint)
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value):
-            raise InvalidArgumentError(f"{value!r} is not a memory size.", hint=hint)
-        number, unit = Fraction(value), ""
-    else:
-        match = _SIZE.match(value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise InvalidArgumentError(f"Cannot read {_shown(value)} as a memory size.", hint=hint)
-        # Exact, not float: 400 digits are a (very large) number, not infinity.
-        number, unit = Fraction(match.group(1)), match.group(2).lower()
-    if number < 0:
-        raise InvalidArgumentError(f"A memory size cannot be negative ({value!r}).", hint=hint)
-    size = int(number * _UNITS[unit])
-    if size > _MAX_SIZE:
-        raise InvalidArgumentError(
-            f"{_shown(value)} is more memory than any GPU has (gpukit refuses sizes past "
-            "2**100 bytes).",
-            hint='Write a size a GPU can have, e.g. "80GiB".',
-        )
-    if unit == "" and 0 < size < 2**20:
-        import warnings
-
-        warnings.warn(
-            f"A size of {value!r} without a unit is read as {format_size(size)}; write "
-            f"'{value}GiB' if you meant gibibytes, or '{value}B' to say bytes.",
-            stacklevel=3,
-        )
-    return size
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"
-
-
-_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def format_size(n: float) -> str:
-    """A number of bytes in the largest binary unit it fills: whole when it is a whole number
-    of that unit, else to one decimal. The one way gpukit writes sizes.
-
-    >>> format_size(512), format_size(20 * 2**10), format_size(3 * 2**29), format_size(2**36)
-    ('512 B', '20 KiB', '1.5 GiB', '64 GiB')
-    """
-    value = float(n)
-    if abs(value) < 1024:
-        return f"{value:.0f} B"
-    for power, unit in enumerate(_BINARY):
-        scaled = value / 1024**power
-        if abs(scaled) < 1023.95 or unit == _BINARY[-1]:
-            whole = float(n).is_integer() and int(n) % 1024**power == 0
-            return f"{int(n) // 1024**power} {unit}" if whole else f"{scaled:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _processes(gpu: GPU) -> str:
@@ -208,7 +115,7 @@ class Criteria:
                     hint="Exclude GPUs by their `gpukit list` index or GPU- UUID.",
                 )
         return cls(
-            min_free=None if min_free is None else parse_size(min_free),
+            min_free=None if min_free is None else parse_size(min_free, warn_unitless_below=2**20),
             max_util=None if max_util is None else int(max_util),
             max_processes=max_processes,
             exclude=excluded,
@@ -276,7 +183,7 @@ class Criteria:
                 value=as_str(granted["value"], what="the grant's value"),
             )
         return cls(
-            min_free=number("min_free", _MAX_SIZE),
+            min_free=number("min_free", MOST_SIZE),
             max_util=number("max_util", 100),
             max_processes=number("max_processes", _MOST_NUMBER),
             exclude=tuple(

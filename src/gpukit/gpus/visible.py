@@ -297,13 +297,23 @@ def _driver_started() -> bool:
     return int(driver.cuDeviceGetCount(ctypes.byref(count))) != _CUDA_ERROR_NOT_INITIALIZED
 
 
-def _cuda_initialized() -> bool:
-    # Importing torch here would cost seconds and cannot matter: if the program has not
-    # imported torch, nothing in it can have started CUDA through torch.
+def cuda_started(*, by_torch: bool = False) -> bool:
+    """Whether CUDA has started in this process: gpukit's one answer. Never starts it, and never
+    imports torch (a program that has not imported torch cannot have started CUDA through it).
+
+    By default, started by any route: torch has set CUDA up (``torch.cuda.is_initialized()``),
+    or the CUDA driver has been initialised, as ``torch.cuda.is_available()`` and
+    ``device_count()`` do while ``is_initialized()`` stays False. From then on the driver has
+    read CUDA_VISIBLE_DEVICES, so :func:`set_visible_devices` refuses to change it.
+
+    ``by_torch=True`` asks the narrower question: has torch set CUDA up, so that calling
+    ``torch.cuda.current_device()`` or ``get_rng_state_all()`` starts nothing new. Whatever
+    torch has set up, the driver has started too, so a True here is a True by default.
+    """
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return True
-    return _driver_started()
+    return False if by_torch else _driver_started()
 
 
 def _as_entry(item: object) -> Entry:
@@ -355,7 +365,7 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
             hint="Use only indices, only GPU- UUIDs, or only MIG- UUIDs.",
         )
     current = (os.environ.get(VAR), os.environ.get(ORDER_VAR))
-    if current != (value, "PCI_BUS_ID") and _cuda_initialized():
+    if current != (value, "PCI_BUS_ID") and cuda_started():
         raise CudaAlreadyInitializedError(
             f"Cannot set {VAR}={value}: CUDA has already started in this process (with "
             f"{VAR}={current[0]}), so the change would be silently ignored.",

@@ -27,6 +27,7 @@ from gpukit.errors import InvalidArgumentError
 from gpukit.memory.batch_size import find_batch_size, is_out_of_memory
 from gpukit.memory.peak import PeakMemory, track_peak
 from gpukit.memory.stats import cuda_stats, proc_memory
+from gpukit.sizes import format_size
 
 __all__ = [
     "FreedReport",
@@ -123,14 +124,7 @@ class MemoryReport:
 
 
 def _human(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+    return "n/a" if n is None else format_size(n)
 
 
 def _is(obj: object, cls: type[_T]) -> TypeGuard[_T]:
