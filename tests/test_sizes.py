@@ -130,5 +130,6 @@ def test_a_memory_report_writes_sizes_as_every_other_table_does() -> None:
     torch = pytest.importorskip("torch")
     module = torch.nn.Linear(1024, 1024, bias=False)  # a 4 MiB weight
     text = str(gk.memory_report("cpu", module=module, top=1))
-    assert f"{format_size(4 * 2**20):>10}  float32" in text
-    assert "4.0 MiB" not in text
+    # The tensor's own row; the process-wide figures above it vary with what else is alive.
+    row = next(line for line in text.splitlines() if line.rstrip().endswith("weight"))
+    assert row.split()[:3] == ["4", "MiB", "float32"]
