@@ -571,7 +571,8 @@ def test_any_state_dict_saved_in_shards_comes_back_equal_with_every_shard_within
 
 
 _FSDP_SAVE = """
-import sys, torch, torch.distributed as dist
+import gc, sys, torch, torch.distributed as dist
+import torch.distributed.nn  # before the group: imported later, it keeps the group past exit
 from torch import nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
@@ -586,6 +587,9 @@ model(torch.randn(2, 8)).sum().backward()
 optimizer.step()
 dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=sys.argv[1])
 torch.save({k: v.full_tensor() for k, v in model.state_dict().items()}, sys.argv[1] + ".pt")
+# Nothing may hold the group once it is destroyed, or gloo's threads abort the exit.
+del model, optimizer
+gc.collect()
 dist.destroy_process_group()
 """
 
