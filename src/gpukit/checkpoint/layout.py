@@ -26,7 +26,8 @@ from gpukit.checkpoint.accelerate_state import (
     is_accelerate_state,
     open_accelerate_state,
 )
-from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_dcp, set_path
+from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_dcp
+from gpukit.checkpoint.dcp_metadata import set_path
 from gpukit.checkpoint.io import SAFETENSORS, TORCH, RawCheckpoint, file_format, gpukit_metadata
 from gpukit.checkpoint.io import read as read_file
 from gpukit.checkpoint.keys import FoundWeights
