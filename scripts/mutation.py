@@ -28,6 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE: dict[str, list[str]] = {
     "gpukit.gpus.claims": ["tests/test_claims.py", "tests/test_lock_security.py"],
     "gpukit.gpus.select": ["tests/test_select.py", "tests/test_pick_boundaries.py"],
+    "gpukit.gpus.criteria": [
+        "tests/test_select.py",
+        "tests/test_pick_boundaries.py",
+        "tests/test_waiting.py",
+        "tests/test_sizes.py",
+    ],
     "gpukit.gpus.line": ["tests/test_waiting.py", "tests/test_line_what_counts.py"],
     "gpukit.gpus.waiting": [
         "tests/test_waiting.py",

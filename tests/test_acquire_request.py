@@ -21,9 +21,9 @@ import gpukit.gpus.waiting
 from gpukit.errors import InvalidArgumentError
 from gpukit.gpus.acquire import GpuRequest, acquire_request, poll_interval
 from gpukit.gpus.claims import current_claims, lock_dir, shared_dir
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.policy import load_policy
-from gpukit.gpus.select import Criteria
 from tests.conftest import ROOT
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"

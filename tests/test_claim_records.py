@@ -17,8 +17,9 @@ import pytest
 
 from gpukit.errors import ClaimError
 from gpukit.gpus.claims import claim, current_claims, holder_of
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import inventory
-from gpukit.gpus.select import Criteria, choose
+from gpukit.gpus.select import choose
 from gpukit.gpus.sharing import sharing
 from tests.conftest import ROOT
 

@@ -29,8 +29,9 @@ from gpukit.errors import (
 )
 from gpukit.gpus import claims, ledger
 from gpukit.gpus.claims import Holder, _read_holder, current_claims, holder_of, lock_dir
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GpuProcess, Inventory, inventory
-from gpukit.gpus.select import Criteria, claim
+from gpukit.gpus.select import claim
 from gpukit.gpus.waiting import Ticket, wait_and_claim
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,10 +19,10 @@ from gpukit.errors import (
     UserLimitError,
 )
 from gpukit.gpus.claims import Holder
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GPU, GpuProcess, Inventory, inventory
 from gpukit.gpus.policy import Limits, Policy, user_name
 from gpukit.gpus.select import (
-    Criteria,
     assess,
     best_first,
     check_user_limit,

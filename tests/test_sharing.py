@@ -16,9 +16,9 @@ import pytest
 
 from gpukit.gpus import waiting
 from gpukit.gpus.claims import claim
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.line import Waiter
-from gpukit.gpus.select import Criteria
 from gpukit.gpus.sharing import sharing
 from gpukit.gpus.visible import Grant
 

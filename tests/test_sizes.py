@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from gpukit.cli._output import human_bytes
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GPU, Inventory
-from gpukit.gpus.select import Criteria, assess, pick
+from gpukit.gpus.select import assess, pick
 from gpukit.sizes import format_size, parse_size
 
 

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from gpukit.errors import LockFolderError
 from gpukit.gpus.claims import claim
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.policy import user_name
-from gpukit.gpus.select import Criteria
 from gpukit.gpus.visible import Grant
 from gpukit.gpus.waiting import TICKET_SCHEMA, Ticket, read_line
 from tests.conftest import ROOT, subprocess_env
@@ -247,7 +247,7 @@ def test_a_dead_waiter_leaves_the_line_at_once(locks: Path) -> None:
 
 
 def test_claiming_with_a_forged_ticket_in_front_is_not_delayed(locks: Path, forger: object) -> None:
-    from gpukit.gpus.select import Criteria
+    from gpukit.gpus.criteria import Criteria
     from gpukit.gpus.waiting import wait_and_claim
 
     gpus = inventory().gpus

@@ -26,10 +26,10 @@ import pytest
 import gpukit.gpus.waiting as waiting
 from gpukit.errors import LockFolderError, NoGpuAvailableError, UserLimitError, WaitTimeoutError
 from gpukit.gpus.claims import Claim, claim, current_claims
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.line import Line, read_line
 from gpukit.gpus.policy import Limits, Policy
-from gpukit.gpus.select import Criteria
 from gpukit.gpus.waiting import Ticket, wait_and_claim
 from tests.conftest import MACHINES
 

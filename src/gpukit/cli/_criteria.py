@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from gpukit.cli._args import Number, Percent, Size
-from gpukit.gpus.select import ORDERS, Criteria
+from gpukit.gpus.criteria import Criteria
+from gpukit.gpus.select import ORDERS
 
 
 def add_criteria(parser: argparse.ArgumentParser) -> None:

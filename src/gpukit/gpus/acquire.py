@@ -21,11 +21,11 @@ from pathlib import Path
 
 from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError, check_bool
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GPU, Inventory, inventory
 from gpukit.gpus.policy import Limits, Policy, holdings, load_policy
 from gpukit.gpus.select import (
     ORDERS,
-    Criteria,
     Order,
     Verdict,
     assess,
@@ -103,7 +103,7 @@ def poll_interval(poll: float | None = None) -> float:
 class GpuRequest:
     """GPUs to acquire, checked once, when the request is made; what :func:`acquire_request` takes.
 
-    ``n`` GPUs that meet ``criteria`` (:meth:`gpukit.gpus.select.Criteria.make`), best first by
+    ``n`` GPUs that meet ``criteria`` (:meth:`gpukit.gpus.criteria.Criteria.make`), best first by
     ``order``; ``wait`` in line for them (a ``timeout`` in seconds implies it; ``inf`` waits as
     long as it takes), polling every ``poll`` seconds and taking GPUs that qualified ``settle``
     polls in a row; only among the GPUs this process was granted unless ``all_gpus``.

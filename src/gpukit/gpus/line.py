@@ -6,9 +6,9 @@ Each waiter (``gpukit run --wait``, ``gk.acquire(wait=True)``) holds a *ticket* 
 user, uid, how many GPUs, the criteria, the command, since when). Only the first waiter in line
 whose request the server's policy allows may claim GPUs, so waiters are served in arrival order.
 
-The criteria are recorded twice: as the sentence :meth:`~gpukit.gpus.select.Criteria.describe`
+The criteria are recorded twice: as the sentence :meth:`~gpukit.gpus.criteria.Criteria.describe`
 says (``criteria``, for display) and as data (``wants``: the fields of
-:meth:`~gpukit.gpus.select.Criteria.to_json`, with a schema of their own), so that ``gpukit
+:meth:`~gpukit.gpus.criteria.Criteria.to_json`, with a schema of their own), so that ``gpukit
 queue`` can judge the GPUs for a waiter exactly, without reading the sentence back. ``wants``
 was added to the record without changing its schema, so that an older gpukit on the same
 machine still counts the waiter (it reads only the fields it knows); a ticket without it (from
@@ -57,10 +57,10 @@ from typing import Any
 
 from gpukit.errors import LockFolderError, UnsafeLockFileError
 from gpukit.gpus.claims import lock_dir
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.flocks import exclusive_flocks, process_uid
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
-from gpukit.gpus.select import Criteria
 from gpukit.untrusted import (
     InvalidInput,
     as_dict,

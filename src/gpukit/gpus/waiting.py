@@ -26,6 +26,7 @@ from gpukit.errors import (
     WaitTimeoutError,
 )
 from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir, shared_dir
+from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.line import (
     _SUFFIX,
@@ -41,7 +42,7 @@ from gpukit.gpus.line import (
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
 from gpukit.gpus.policy import Limits, Policy, holdings
-from gpukit.gpus.select import Criteria, Verdict, assess, best_first, no_gpu_error
+from gpukit.gpus.select import Verdict, assess, best_first, no_gpu_error
 from gpukit.untrusted import InvalidInput, open_regular
 
 __all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
