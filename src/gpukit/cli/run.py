@@ -161,7 +161,7 @@ def ddp_command(cmd: Sequence[str], nproc: int, options: Sequence[str] = ()) -> 
     this way (several tasks on one node, the batch script of a multi-node job) is a usage
     error, with the command that works in its hint.
     """
-    from gpukit.distributed.environment import torchrun_args
+    from gpukit.distributed.torchrun import torchrun_args
     from gpukit.errors import DistributedError
 
     _check_torchrun_options(options)

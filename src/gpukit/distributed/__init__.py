@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 # Reading the job never imports torch, so `gpukit run --ddp` stays fast; it is imported here
 # at once, which also makes `environment` the function, not its module of the same name.
-from gpukit.distributed.environment import Environment, environment, torchrun_args
+from gpukit.distributed.environment import Environment, environment
+from gpukit.distributed.torchrun import torchrun_args
 
 # Everything else needs torch: loaded on first use.
 _EXPORTS = {

@@ -38,7 +38,14 @@ from dataclasses import dataclass, replace
 from gpukit.distributed.hostlist import expand_hostlist
 from gpukit.errors import DistributedError
 
-__all__ = ["Environment", "environment", "expand_hostlist", "job_port", "torchrun_args"]
+__all__ = [
+    "Environment",
+    "check_devices",
+    "environment",
+    "job_port",
+    "launcher_names",
+    "slurm_allocation_nodes",
+]
 
 # Derived ports stay below Linux's ephemeral range (32768-60999), where the OS hands out
 # ports to outgoing connections, and above the ports services usually register.
@@ -185,7 +192,7 @@ def _in_slurm_step(env: Mapping[str, str]) -> bool:
     return bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
 
 
-def _slurm_allocation_nodes(env: Mapping[str, str]) -> int:
+def slurm_allocation_nodes(env: Mapping[str, str]) -> int:
     """How many nodes the Slurm job holds, seen from outside any step (1 when not in a job)."""
     raw = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
     return int(raw) if raw.isdigit() else 1
@@ -429,7 +436,7 @@ _LAUNCHERS: tuple[_Launcher, ...] = (
 _BY_NAME = {launcher.name: launcher for launcher in _LAUNCHERS}
 
 
-def _names(source: str | None) -> tuple[str, str]:
+def launcher_names(source: str | None) -> tuple[str, str]:
     """The variables of the local rank and of the processes per node, for messages."""
     found = _BY_NAME.get(source or "")
     return _NO_LAUNCHER if found is None else found.local_names
@@ -441,7 +448,7 @@ def check_devices(found: Environment, visible: int, what: str) -> None:
     Every process of the node sees the same counts, so every one refuses, not only the one
     without a GPU: the others would wait for it in the rendezvous.
     """
-    rank_var, size_var = _names(found.source)
+    rank_var, size_var = launcher_names(found.source)
     # The last local rank's device: processes of a node share its GPUs, one each by local
     # rank, unless the scheduler gave each its own (then each uses its cuda:0).
     top = found.cuda_index if found.bound_gpus else found.local_world_size - 1
@@ -458,7 +465,7 @@ def check_devices(found: Environment, visible: int, what: str) -> None:
 
 
 def _check(found: Environment, env: Mapping[str, str]) -> Environment:
-    rank_var, size_var = _names(found.source)
+    rank_var, size_var = launcher_names(found.source)
     if found.world_size < 1 or not 0 <= found.rank < found.world_size:
         raise DistributedError(
             f"rank {found.rank} does not fit in a world of {found.world_size} processes "
@@ -520,71 +527,3 @@ def environment(env: Mapping[str, str] | None = None) -> Environment:
             found = launcher.read(env)
             return _check(found, env) if found.launched else found
     return SINGLE
-
-
-def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> list[str]:
-    """torchrun's options for this node of the job: nodes, node rank, processes, rendezvous.
-
-    Run once per node (``srun --ntasks-per-node=1``, or SkyPilot's ``run:``): every node gets
-    the same c10d rendezvous on the job's first node, at a port and with an id derived from
-    the job, so no address is exported by hand. Outside a multi-node job it is
-    ``--standalone`` (a rendezvous of its own on this machine). Several tasks on one node are
-    refused (each would start its own torchrun), on one node as on several.
-
-    >>> torchrun_args(4, {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2",
-    ...     "SKYPILOT_NODE_IPS": "10.0.0.5\\n10.0.0.6", "MASTER_PORT": "29400"})
-    ['--nnodes=2', '--nproc-per-node=4', '--rdzv-backend=c10d', \
-'--rdzv-endpoint=10.0.0.5:29400', '--rdzv-id=gpukit-29400']
-    """
-    if (
-        isinstance(nproc_per_node, bool)
-        or not isinstance(nproc_per_node, int)
-        or nproc_per_node < 1
-    ):
-        raise DistributedError(
-            f"torchrun_args() was asked for nproc_per_node={nproc_per_node!r}.",
-            hint="Pass the number of processes to start on this node, e.g. its GPU count.",
-        )
-    found = environment(env)
-    if found.source == "torchrun":
-        raise DistributedError(
-            f"This process already runs under torchrun (rank {found.rank} of "
-            f"{found.world_size}): starting torchrun again would nest two process groups.",
-            hint="Run `gpukit run --ddp` from the job script or srun, not from a training worker.",
-        )
-    env = os.environ if env is None else env
-    nodes = _slurm_allocation_nodes(env)
-    if found.source is None and env.get("SLURM_JOB_ID") and nodes > 1:
-        raise DistributedError(
-            f"This runs in Slurm job {env['SLURM_JOB_ID']}'s script, outside any srun step, so "
-            f"it would start torchrun on 1 of the job's {nodes} nodes.",
-            hint="Start it on every node: `srun --ntasks-per-node=1 gpukit run --ddp -n N -- "
-            "train.py` (or `srun -N1 ...` to use one node on purpose).",
-        )
-    if found.local_world_size != 1:
-        # Checked before the one-node case: srun -N1 -n2 would otherwise start two standalone
-        # torchruns, two separate trainings (and, on a GPU node, two claims).
-        _, size_var = _names(found.source)
-        processes = f"{nproc_per_node} process{'es' if nproc_per_node != 1 else ''}"
-        raise DistributedError(
-            f"{found.source} started {found.local_world_size} tasks on this node ({size_var}), "
-            f"but torchrun starts the node's {processes} itself: each task would start its own "
-            "torchrun, and its own training.",
-            hint="Start one task per node: `srun --ntasks-per-node=1 gpukit run --ddp -n N -- "
-            "train.py`.",
-        )
-    if found.num_nodes <= 1:
-        return ["--standalone", f"--nproc-per-node={nproc_per_node}"]
-    # _check refused a multi-node job without a rendezvous address and port.
-    assert found.master_addr is not None
-    assert found.master_port is not None
-    run_id = found.job_id or f"gpukit-{found.master_port}"
-    # No --node-rank: the c10d rendezvous numbers the nodes itself (torchrun ignores it, and
-    # says so).
-    return [
-        f"--nnodes={found.num_nodes}",
-        f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={found.master_addr}:{found.master_port}",
-        f"--rdzv-id={run_id}",
-    ]
