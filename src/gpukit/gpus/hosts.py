@@ -36,6 +36,7 @@ from gpukit.errors import GpukitError, InvalidArgumentError
 from gpukit.gpus.claims import Holder
 from gpukit.gpus.inventory import GPU, GpuProcess, Inventory, MigInstance
 from gpukit.gpus.inventory import SCHEMA as INVENTORY_SCHEMA
+from gpukit.sizes import format_size
 from gpukit.untrusted import (
     InvalidInput,
     as_dict,
@@ -404,10 +405,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.communicate()
 
 
-def _size(limit: int) -> str:
-    return f"{limit // 2**20} MiB" if limit >= 2**20 else f"{limit // 2**10} KiB"
-
-
 def read_host(host: str, ssh: Sequence[str], timeout: float) -> HostReading:
     """Ask one host for its GPUs through ``ssh``; never raises for a host that fails.
 
@@ -443,7 +440,7 @@ def read_host(host: str, ssh: Sequence[str], timeout: float) -> HostReading:
     out, err = streams.data
     if streams.over_limit is not None:
         what = ("answer", "messages")[streams.over_limit]
-        limit = _size(limits[streams.over_limit])
+        limit = format_size(limits[streams.over_limit])
         return HostReading(host, error=f"{what} larger than {limit}; not read", elapsed_s=elapsed)
     if streams.timed_out or proc.returncode < 0:
         return HostReading(
