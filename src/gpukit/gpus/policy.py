@@ -40,6 +40,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpukit.errors import NoDriverError, NvmlError, PolicyError
 from gpukit.gpus.claims import current_claims, lock_dir
@@ -48,9 +49,20 @@ from gpukit.gpus.lockfiles import open_folder
 from gpukit.gpus.lockfiles import owner_name as user_name
 from gpukit.untrusted import InvalidInput, open_regular, parse_toml, read_bounded
 
+if TYPE_CHECKING:
+    from gpukit.gpus.inventory import Inventory
+
 POLICY_FILE = "policy.toml"
 _MAX_POLICY_BYTES = 64 * 1024
-__all__ = ["POLICY_FILE", "Limits", "Policy", "holdings", "load_policy", "user_name"]
+__all__ = [
+    "POLICY_FILE",
+    "Limits",
+    "Policy",
+    "gpu_uuids",
+    "holdings",
+    "load_policy",
+    "user_name",
+]
 
 
 @dataclass(frozen=True)
@@ -277,9 +289,17 @@ def _known(given: frozenset[str] | None, needed: bool) -> frozenset[str] | None:
     from gpukit.gpus.inventory import inventory
 
     try:
-        inv = inventory()
+        return gpu_uuids(inventory())
     except (NoDriverError, NvmlError):
         return None
+
+
+def gpu_uuids(inv: Inventory) -> frozenset[str]:
+    """The UUIDs of ``inv``'s GPUs and MIG instances: what :func:`holdings` counts as GPUs.
+
+    A caller that has just read the machine passes these as ``holdings(gpus=...)``, so that
+    counting a user's GPUs does not read NVML again (the waiting loop does, every poll).
+    """
     return frozenset(u for g in inv.gpus for u in (g.uuid, *(m.uuid for m in g.mig_instances)) if u)
 
 

@@ -41,7 +41,7 @@ from gpukit.gpus.line import (
 )
 from gpukit.gpus.lockfiles import open_folder, open_lock_file
 from gpukit.gpus.lockfiles import owner_name as user_name
-from gpukit.gpus.policy import Limits, Policy, holdings
+from gpukit.gpus.policy import Limits, Policy, gpu_uuids, holdings
 from gpukit.gpus.select import Verdict, assess, best_first, no_gpu_error
 from gpukit.untrusted import InvalidInput, open_regular
 
@@ -277,7 +277,7 @@ def wait_and_claim(
             ready = best_first(
                 (v.gpu for v in verdicts if v.ok and streak[v.gpu.uuid] >= settle), order
             )
-            held = holdings(folder) if limits else {}
+            held = holdings(folder, gpus=gpu_uuids(inv)) if limits else {}
             ahead = sum(
                 policy.refusal(w.uid, w.n, held) is None
                 for w in ticket.waiters_ahead(ticket.line())
