@@ -100,6 +100,7 @@ CORE: dict[str, list[str]] = {
         "tests/untrusted/test_finite_out.py",
         "tests/untrusted/test_streams_capped.py",
         "tests/untrusted/test_written_in_one_step.py",
+        "tests/untrusted/test_boundaries.py",
     ],
     "gpukit._tree": [
         "tests/test_tree.py",
