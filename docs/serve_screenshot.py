@@ -52,7 +52,7 @@ def main() -> None:
         from playwright.sync_api import sync_playwright
 
         import gpukit as gk
-        from gpukit.gpus.claims import claim
+        from gpukit.sharing.claims import claim
         from gpukit.serve import DashboardServer, Sampler
 
         sampler = Sampler(3600, host="gpu-server")

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module -> the test files that state its behaviour
 CORE: dict[str, list[str]] = {
-    "gpukit.gpus.claims": ["tests/test_claims.py", "tests/test_lock_security.py"],
+    "gpukit.sharing.claims": ["tests/test_claims.py", "tests/test_lock_security.py"],
     "gpukit.gpus.select": ["tests/test_select.py", "tests/test_pick_boundaries.py"],
     "gpukit.gpus.criteria": [
         "tests/test_select.py",
@@ -34,14 +34,14 @@ CORE: dict[str, list[str]] = {
         "tests/test_waiting.py",
         "tests/test_sizes.py",
     ],
-    "gpukit.gpus.line": ["tests/test_waiting.py", "tests/test_line_what_counts.py"],
-    "gpukit.gpus.waiting": [
+    "gpukit.sharing.waiters": ["tests/test_waiting.py", "tests/test_line_what_counts.py"],
+    "gpukit.sharing.tickets": [
         "tests/test_waiting.py",
         "tests/test_acquire.py",
         "tests/test_policy.py",
         "tests/test_waiting_rules.py",
     ],
-    "gpukit.gpus.lockfiles": [
+    "gpukit.sharing.lockfiles": [
         "tests/test_lockfiles.py",
         "tests/test_lockfiles_refusals.py",
         "tests/test_lock_security.py",

@@ -13,9 +13,9 @@ from gpukit.errors import (
     NoGpuAvailableError,
     WaitTimeoutError,
 )
-from gpukit.gpus.claims import claim, current_claims
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.waiting import read_line
+from gpukit.sharing.claims import claim, current_claims
+from gpukit.sharing.waiters import read_queue
 from tests.conftest import ROOT
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
@@ -62,7 +62,7 @@ def test_acquire_waits_in_line_until_a_gpu_is_released() -> None:
         assert held.indices == [0]
         assert len(polls) == 3
     others.release()
-    assert read_line().waiters == ()
+    assert read_queue().waiters == ()
 
 
 def test_acquire_with_a_timeout_waits_and_gives_up_with_exit_124(locks: Path) -> None:
@@ -142,7 +142,7 @@ def test_a_poll_interval_from_the_environment_that_is_not_seconds_is_refused(
 def test_the_poll_interval_comes_from_the_environment_when_not_given(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpukit.gpus.acquire import poll_interval
+    from gpukit.sharing.acquire import poll_interval
 
     assert poll_interval() == 2.0
     monkeypatch.setenv("GPUKIT_POLL_INTERVAL", "0.25")
@@ -185,7 +185,7 @@ def test_a_waiter_inside_a_grant_says_and_records_the_grant_by_index(
 
     def status(text: str) -> None:
         statuses.append(text)
-        recorded.extend(w.criteria for w in read_line(locks).waiters)
+        recorded.extend(w.criteria for w in read_queue(locks).waiters)
 
     with pytest.raises(WaitTimeoutError) as info:
         gk.acquire(1, timeout=0, poll=0.01, settle=3, on_status=status)

@@ -13,17 +13,18 @@ import pytest
 import gpukit as gk
 import gpukit.cli.main
 import gpukit.cli.run as run_cmd
-import gpukit.gpus.acquire
-import gpukit.gpus.ledger
-import gpukit.gpus.lockfiles as lockfiles
-import gpukit.gpus.policy
-import gpukit.gpus.waiting
+import gpukit.sharing.acquire
+import gpukit.sharing.ledger
+import gpukit.sharing.lockfiles as lockfiles
+import gpukit.sharing.policy
+import gpukit.sharing.tickets
 from gpukit.errors import InvalidArgumentError
-from gpukit.gpus.acquire import GpuRequest, acquire_request, poll_interval
-from gpukit.gpus.claims import current_claims, lock_dir, shared_dir
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.policy import load_policy
+from gpukit.sharing.acquire import GpuRequest, acquire_request, poll_interval
+from gpukit.sharing.claims import current_claims, shared_folder
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.policy import load_policy
 from tests.conftest import ROOT
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
@@ -72,7 +73,7 @@ def test_gpukit_run_checks_its_request_once_and_reads_the_machine_once(
     monkeypatch: pytest.MonkeyPatch, locks: Path
 ) -> None:
     monkeypatch.setenv("GPUKIT_FAKE_NVML", str(A100))
-    shared_dir(locks)  # the lock folder exists, as after a machine's first claim
+    shared_folder(locks)  # the lock folder exists, as after a machine's first claim
     monkeypatch.setattr(run_cmd, "launch", lambda argv, env: 0)
     make = Criteria.make.__func__  # type: ignore[attr-defined]
     made: list[object] = []
@@ -87,7 +88,7 @@ def test_gpukit_run_checks_its_request_once_and_reads_the_machine_once(
         "exclusions checked": _count_method(monkeypatch, "check_exclude"),
         "poll interval": _count(monkeypatch, poll_interval),
         "policy loaded": _count(monkeypatch, load_policy),
-        "lock folder found": _count(monkeypatch, lock_dir),
+        "lock folder found": _count(monkeypatch, lock_folder),
         "machine read": _count(monkeypatch, inventory),
     }
     opened = _count(monkeypatch, lockfiles.open_folder)
@@ -114,7 +115,9 @@ def test_a_waiter_reads_the_machine_once_before_its_first_poll() -> None:
 
 def test_acquiring_a_request_checks_none_of_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
     request = GpuRequest(2, Criteria.make(min_free="1GiB"), order="index", poll=0.5)
-    checked = _count(monkeypatch, poll_interval) + _count(monkeypatch, gpukit.gpus.acquire._seconds)
+    checked = _count(monkeypatch, poll_interval) + _count(
+        monkeypatch, gpukit.sharing.acquire._seconds
+    )
     with acquire_request(request, inventory()) as held:
         assert held.indices == [0, 1]
     assert checked == []

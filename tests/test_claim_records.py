@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from gpukit.errors import ClaimError
-from gpukit.gpus.claims import claim, current_claims, holder_of
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import inventory
 from gpukit.gpus.select import choose
-from gpukit.gpus.sharing import sharing
+from gpukit.sharing.claims import claim, current_claims, holder_of
+from gpukit.sharing.report import sharing
 from tests.conftest import ROOT
 
 L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"

@@ -27,12 +27,13 @@ from gpukit.errors import (
     NoGpuAvailableError,
     WaitTimeoutError,
 )
-from gpukit.gpus import claims, ledger
-from gpukit.gpus.claims import Holder, _read_holder, current_claims, holder_of, lock_dir
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GpuProcess, Inventory, inventory
-from gpukit.gpus.select import claim
-from gpukit.gpus.waiting import Ticket, wait_and_claim
+from gpukit.holders import Holder
+from gpukit.sharing import claims, ledger
+from gpukit.sharing.claims import _read_holder, claim, current_claims, holder_of
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.tickets import Ticket, wait_and_claim
 
 ROOT = Path(__file__).resolve().parent.parent
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -51,7 +52,7 @@ def locks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 def _holder_process(uuid: str) -> subprocess.Popen[str]:
     """Another process that claims ``uuid`` and then sleeps, printing 'held' once it holds it."""
     code = (
-        "import sys, time; from gpukit.gpus.claims import claim; "
+        "import sys, time; from gpukit.sharing.claims import claim; "
         f"c = claim([{uuid!r}], command='other job'); print('held', flush=True); time.sleep(60)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -123,7 +124,7 @@ def test_a_record_left_without_a_lock_is_not_a_claim(locks: Path) -> None:
 
 def test_the_lock_folder_and_files_are_writable_by_every_user(locks: Path) -> None:
     claim([UUID_A]).release()
-    folder_mode = stat.S_IMODE(lock_dir().stat().st_mode)
+    folder_mode = stat.S_IMODE(lock_folder().stat().st_mode)
     assert folder_mode == 0o1777  # sticky: users cannot delete each other's files
     assert stat.S_IMODE((locks / f"{UUID_A}.lock").stat().st_mode) == 0o666
 
@@ -147,7 +148,9 @@ def test_claim_refuses_things_that_are_not_gpus() -> None:
 def test_waiters_are_counted_in_arrival_order_and_a_dead_one_is_skipped() -> None:
     first = Ticket()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    code = "from gpukit.gpus.waiting import Ticket; t = Ticket(); print('in', flush=True); input()"
+    code = (
+        "from gpukit.sharing.tickets import Ticket; t = Ticket(); print('in', flush=True); input()"
+    )
     middle = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,

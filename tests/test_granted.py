@@ -8,8 +8,8 @@ import pytest
 
 import gpukit as gk
 from gpukit.errors import NoGpuAvailableError, VisibleDevicesError
+from gpukit.gpus.grants import granted_gpus, granted_inventory
 from gpukit.gpus.inventory import Inventory
-from gpukit.gpus.visible import granted_gpus, granted_inventory
 
 MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
 A100 = "server-8xA100-shared"  # 8 alike GPUs; only 2 and 4 idle

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpukit.errors import GpukitError, NoGpuAvailableError, VisibleDevicesError
+from gpukit.gpus.grants import Grant, granted_gpus, granted_inventory
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.visible import Grant, granted_gpus, granted_inventory
 
 MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
 

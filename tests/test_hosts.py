@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpukit.errors import InvalidArgumentError
-from gpukit.gpus.claims import claim
 from gpukit.gpus.hosts import (
     NVIDIA_SMI_FIELDS,
     hosts_json,
@@ -23,6 +22,7 @@ from gpukit.gpus.hosts import (
     ssh_command,
 )
 from gpukit.gpus.inventory import SCHEMA, Inventory
+from gpukit.sharing.claims import claim
 
 from .hosts_fixture import NVIDIA_SMI_CSV, FakeHosts
 

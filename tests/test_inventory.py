@@ -285,11 +285,11 @@ def test_a_process_of_a_uid_without_an_account_is_named_as_its_claims_are(
     import pwd
 
     from gpukit.gpus.inventory import _proc_owner_and_command
-    from gpukit.gpus.lockfiles import owner_name
+    from gpukit.holders import user_name
 
     def no_account(uid: int) -> pwd.struct_passwd:
         raise KeyError(uid)
 
     monkeypatch.setattr(pwd, "getpwuid", no_account)
     user, _ = _proc_owner_and_command(os.getpid())
-    assert user == owner_name(os.getuid()) == f"uid {os.getuid()}"
+    assert user == user_name(os.getuid()) == f"uid {os.getuid()}"

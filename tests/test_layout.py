@@ -27,14 +27,22 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted((SRC / "gpus").rglob("*.py")), ids=lambda p: p.name)
-def test_gpus_folder_never_imports_torch(path: Path) -> None:
+@pytest.mark.parametrize(
+    "path",
+    sorted([*(SRC / "gpus").rglob("*.py"), *(SRC / "sharing").rglob("*.py"), SRC / "holders.py"]),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
+def test_gpus_and_sharing_never_import_torch(path: Path) -> None:
     torch_imports = [n for n in _imports(path) if n == "torch" or n.startswith("torch.")]
     assert torch_imports == [], f"{path.name} imports {torch_imports}"
 
 
-def test_importing_every_gpus_module_leaves_torch_unloaded() -> None:
-    names = [f"gpukit.gpus.{p.stem}" for p in sorted((SRC / "gpus").glob("*.py"))]
+def test_importing_every_gpus_and_sharing_module_leaves_torch_unloaded() -> None:
+    names = [
+        f"gpukit.{folder}.{p.stem}"
+        for folder in ("gpus", "sharing")
+        for p in sorted((SRC / folder).glob("*.py"))
+    ]
     out = run_python(
         "import importlib, sys\n"
         f"for name in {names!r}: importlib.import_module(name)\n"

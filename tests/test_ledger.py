@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.gpus import ledger
-from gpukit.gpus.claims import claim, shared_dir
-from gpukit.gpus.usage import held_runs, usage
+from gpukit.sharing import ledger
+from gpukit.sharing.claims import claim, shared_folder
+from gpukit.sharing.usage import held_runs, usage
 
 ROOT = Path(__file__).resolve().parent.parent
 UUID_A = "GPU-00000000-0000-0000-0000-00000000000a"
@@ -146,7 +146,9 @@ def test_a_co_users_record_cannot_lengthen_a_run_whose_holder_died_silently(lock
 
 
 def test_a_claim_never_released_ends_with_its_process(locks: Path) -> None:
-    code = f"from gpukit.gpus.claims import claim\nclaim([{UUID_A!r}], command='held to the end')\n"
+    code = (
+        f"from gpukit.sharing.claims import claim\nclaim([{UUID_A!r}], command='held to the end')\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
     [run] = held_runs()
@@ -156,7 +158,7 @@ def test_a_claim_never_released_ends_with_its_process(locks: Path) -> None:
 
 def test_a_claimer_killed_with_sigkill_leaves_a_readable_ledger(locks: Path) -> None:
     code = (
-        "import time\nfrom gpukit.gpus.claims import claim\n"
+        "import time\nfrom gpukit.sharing.claims import claim\n"
         f"claim([{UUID_A!r}], command='killed')\nprint('held', flush=True)\ntime.sleep(60)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -251,7 +253,7 @@ def _claimer(folder: str, worker: int, claims: int, uid: int | None) -> None:
     import time
 
     from gpukit.errors import ClaimError
-    from gpukit.gpus import claims as claims_module
+    from gpukit.sharing import claims as claims_module
 
     if uid is not None:
         os.setgid(uid)
@@ -293,7 +295,7 @@ def test_16_concurrent_claimers_of_20_claims_each_leave_320_runs_and_exact_total
         workers = [
             ctx.Process(target=_claimer, args=(str(folder), w, 20, uids[w])) for w in range(16)
         ]
-        shared_dir(folder)
+        shared_folder(folder)
         # Lock files made beforehand, as `gpukit setup-locks` does: a new lock file has the
         # umask's mode until its creator widens it, a moment in which another user cannot open
         # it. That race belongs to the lock files; this test counts the ledger.

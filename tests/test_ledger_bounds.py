@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpukit.gpus import ledger
-from gpukit.gpus.usage import usage
+from gpukit.sharing import ledger
+from gpukit.sharing.usage import usage
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-import gpukit.gpus.waiting as waiting_module
-from gpukit.gpus.line import TICKET_SCHEMA, read_line
-from gpukit.gpus.policy import user_name
-from gpukit.gpus.waiting import Ticket
+import gpukit.sharing.tickets as tickets_module
+from gpukit.sharing.policy import user_name
+from gpukit.sharing.tickets import Ticket
+from gpukit.sharing.waiters import TICKET_SCHEMA, read_queue
 
 DORMANT = "00000000000000000001-1-dddddddd.ticket"
 
@@ -105,8 +105,8 @@ def test_a_ticket_named_before_a_waiter_joined_but_locked_after_does_not_get_ahe
     dormant = sleeper()
     with Ticket(command="honest") as honest:
         dormant.lock()
-        assert [w.ticket for w in read_line().waiters] == [honest.name]
-        assert honest.waiters_ahead(read_line()) == []
+        assert [w.ticket for w in read_queue().waiters] == [honest.name]
+        assert honest.waiters_ahead(read_queue()) == []
 
 
 def test_a_waiter_keeps_a_dormant_ticket_from_coming_alive_while_it_waits_and_no_longer(
@@ -117,7 +117,7 @@ def test_a_waiter_keeps_a_dormant_ticket_from_coming_alive_while_it_waits_and_no
         assert dormant.lock() == "refused"
     assert dormant.lock() == "locked"  # the line was empty again: it is a waiter from now on
     with Ticket() as later:
-        assert [w.command for w in later.waiters_ahead(read_line())] == ["sleeping"]
+        assert [w.command for w in later.waiters_ahead(read_queue())] == ["sleeping"]
 
 
 def test_a_ticket_that_came_alive_after_a_waiter_joined_is_never_ahead_of_that_waiter(
@@ -126,22 +126,22 @@ def test_a_ticket_that_came_alive_after_a_waiter_joined_is_never_ahead_of_that_w
     # Past the number of tickets a waiter pins (or in a race with its joining), the dormant
     # ticket comes alive with its old change time, first in the kernel's order; the waiter
     # that found it dormant still does not wait for it, and one that joins later does.
-    monkeypatch.setattr(waiting_module, "_MOST_PINS", 0, raising=False)
+    monkeypatch.setattr(tickets_module, "_MOST_PINS", 0, raising=False)
     dormant = sleeper()
     with Ticket(command="first") as first:
         assert dormant.lock() == "locked"
-        line = read_line()
+        line = read_queue()
         assert [w.command for w in line.waiters] == ["sleeping", "first"]
         assert first.waiters_ahead(line) == []
         with Ticket(command="second") as second:
-            ahead = second.waiters_ahead(read_line())
+            ahead = second.waiters_ahead(read_queue())
             assert [w.command for w in ahead] == ["sleeping", "first"]
-            assert first.waiters_ahead(read_line()) == []
+            assert first.waiters_ahead(read_queue()) == []
 
 
 def test_two_honest_waiters_agree_on_who_is_first() -> None:
     with Ticket() as first, Ticket() as second:
-        line = read_line()
+        line = read_queue()
         assert (first.waiters_ahead(line), [w.ticket for w in second.waiters_ahead(line)]) == (
             [],
             [first.name],

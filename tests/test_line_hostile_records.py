@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.gpus.line import read_line
-from gpukit.gpus.waiting import Ticket
+from gpukit.sharing.tickets import Ticket
+from gpukit.sharing.waiters import read_queue
 from tests.conftest import NOBODY, ROOT, subprocess_env
 
 L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -73,7 +73,7 @@ def test_a_held_ticket_nested_60000_deep_is_foreign_with_why_and_hides_no_waiter
         hold(honest.queue / EARLY, DEEP)
         if folder == "setup-locks":
             os.chown(honest.queue / EARLY, NOBODY, NOBODY)
-        line = read_line()
+        line = read_queue()
         assert [w.ticket for w in line.waiters] == [honest.name]
         assert [(f.name, f.why) for f in line.foreign] == [
             (EARLY, "no valid waiter record: not valid JSON: nested more than 32 deep")
@@ -97,7 +97,7 @@ def test_a_held_ticket_with_a_malformed_record_says_what_is_wrong_with_it(
     locks: Path, hold: Hold, content: bytes, why: str
 ) -> None:
     hold(locks / "queue" / EARLY, content)
-    line = read_line()
+    line = read_queue()
     assert line.waiters == ()
     ((name, reason),) = [(f.name, f.why) for f in line.foreign]
     assert name == EARLY

@@ -1,7 +1,7 @@
 """What counts as a waiter in the line, and what every other entry of the queue folder reads as.
 
 Each test plants in the queue folder what a co-user (or a race with one) can put there and
-states, word for word, what ``read_line`` reports: the waiters in ``waiters``, everything else
+states, word for word, what ``read_queue`` reports: the waiters in ``waiters``, everything else
 in ``foreign`` with the reason ``gpukit queue`` shows.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-import gpukit.gpus.line as line_module
+import gpukit.sharing.waiters as waiters_module
 from gpukit.errors import UnsafeLockFileError
-from gpukit.gpus.line import TICKET_SCHEMA, read_line
-from gpukit.gpus.waiting import Ticket
+from gpukit.sharing.tickets import Ticket
+from gpukit.sharing.waiters import TICKET_SCHEMA, read_queue
 from tests.conftest import NOBODY, as_root
 
 EARLY = "00000000000000000001-1-aaaaaaaa.ticket"
@@ -79,12 +79,12 @@ def hold() -> Iterator[Hold]:
 
 
 def _foreign(folder: Path | None = None) -> list[tuple[str, str]]:
-    return [(f.name, f.why) for f in read_line(folder).foreign]
+    return [(f.name, f.why) for f in read_queue(folder).foreign]
 
 
 def test_a_waiters_json_holds_every_field_of_its_ticket(queue: Path, hold: Hold) -> None:
     hold(queue / EARLY, _record(n=2, criteria="at most 10% busy", since=1700000000.5))
-    (waiter,) = read_line().waiters
+    (waiter,) = read_queue().waiters
     assert waiter.to_json() == {
         "position": 1,
         "pid": os.getpid(),
@@ -119,13 +119,13 @@ def test_a_ticket_still_being_written_under_a_hidden_name_is_neither_waiter_nor_
     # place in line, and nothing to report either.
     hold(queue / f".{EARLY}")
     (queue / ".notes").write_text("")
-    assert read_line() == line_module.Line()
+    assert read_queue() == waiters_module.Queue()
 
 
 def test_a_stray_file_named_before_every_ticket_hides_none_of_them(queue: Path, hold: Hold) -> None:
     (queue / "00-read-me.txt").write_text("")  # "-" sorts before every digit
     hold(queue / EARLY)
-    line = read_line()
+    line = read_queue()
     assert [w.ticket for w in line.waiters] == [EARLY]
     assert [(f.name, f.why) for f in line.foreign] == [("00-read-me.txt", "not a ticket")]
 
@@ -167,17 +167,17 @@ def test_a_ticket_that_disappears_between_listing_and_reading_is_gone(
     queue: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (queue / EARLY).write_text(json.dumps(_record()))  # no one holds it: its waiter died
-    real = line_module.exclusive_flocks
+    real = waiters_module.exclusive_flocks
 
     def removed_meanwhile() -> dict[int, frozenset[int]] | None:
         (queue / EARLY).unlink(missing_ok=True)
         return real()
 
-    monkeypatch.setattr(line_module, "exclusive_flocks", removed_meanwhile)
+    monkeypatch.setattr(waiters_module, "exclusive_flocks", removed_meanwhile)
     assert _foreign() == [(EARLY, "gone")]
     with Ticket() as waiter:  # a waiter's own look, which tidies, meets the same race
         (queue / EARLY).write_text(json.dumps(_record()))
-        assert [(f.name, f.why) for f in waiter.line().foreign] == [(EARLY, "gone")]
+        assert [(f.name, f.why) for f in waiter.read_queue().foreign] == [(EARLY, "gone")]
 
 
 def test_a_held_ticket_renamed_over_another_while_the_line_is_read_counts_for_neither(
@@ -185,14 +185,14 @@ def test_a_held_ticket_renamed_over_another_while_the_line_is_read_counts_for_ne
 ) -> None:
     hold(queue / EARLY)
     hold(queue / LATER)
-    real = line_module.exclusive_flocks
+    real = waiters_module.exclusive_flocks
 
     def renamed_meanwhile() -> dict[int, frozenset[int]] | None:
         os.rename(queue / LATER, queue / EARLY)  # both stay locked by their open descriptors
         return real()
 
-    monkeypatch.setattr(line_module, "exclusive_flocks", renamed_meanwhile)
-    line = read_line()
+    monkeypatch.setattr(waiters_module, "exclusive_flocks", renamed_meanwhile)
+    line = read_queue()
     assert line.waiters == ()
     assert [(f.name, f.why) for f in line.foreign] == [
         (EARLY, "replaced while read"),
@@ -207,7 +207,7 @@ def test_an_unsafe_entry_removed_while_it_is_refused_is_gone(
     os.mkfifo(queue / EARLY)
     fd = os.open(queue / EARLY, os.O_RDONLY | os.O_NONBLOCK)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    real = line_module.open_lock_file
+    real = waiters_module.open_lock_file
 
     def refused_then_removed(folder: Path, name: str, **kwargs: object) -> int:
         try:
@@ -216,7 +216,7 @@ def test_an_unsafe_entry_removed_while_it_is_refused_is_gone(
             (queue / name).unlink()
             raise
 
-    monkeypatch.setattr(line_module, "open_lock_file", refused_then_removed)
+    monkeypatch.setattr(waiters_module, "open_lock_file", refused_then_removed)
     try:
         assert _foreign() == [(EARLY, "gone")]
     finally:
@@ -232,7 +232,7 @@ def test_a_ticket_for_no_gpus_or_from_no_time_is_no_valid_record(
     queue: Path, hold: Hold, changes: dict[str, object]
 ) -> None:
     hold(queue / EARLY, _record(**changes))
-    line = read_line()
+    line = read_queue()
     assert line.waiters == ()
     assert [(f.name, f.why.partition(":")[0]) for f in line.foreign] == [
         (EARLY, "no valid waiter record")
@@ -252,7 +252,7 @@ def test_a_record_of_exactly_64_kib_counts_and_one_byte_more_does_not(
     longest = _command_for_a_record_of(64 * 1024)
     hold(queue / EARLY, _record(command=longest))
     hold(queue / LATER, _record(command=_command_for_a_record_of(64 * 1024 + 1)))
-    line = read_line()
+    line = read_queue()
     assert [(w.ticket, w.command) for w in line.waiters] == [(EARLY, longest)]
     assert [(f.name, f.why) for f in line.foreign] == [
         (LATER, "no valid waiter record: larger than 65536 bytes")
@@ -273,7 +273,7 @@ def test_every_process_the_lock_table_names_for_a_ticket_is_listed_in_order(
     hold(queue / EARLY, _record(pid=1))
     inode = os.stat(queue / EARLY).st_ino
     monkeypatch.setattr(
-        line_module, "exclusive_flocks", lambda: {inode: frozenset({4242, 17, 300})}
+        waiters_module, "exclusive_flocks", lambda: {inode: frozenset({4242, 17, 300})}
     )
     assert _foreign() == [(EARLY, "held by pid 17, 300, 4242, not by pid 1 its record names")]
 
@@ -285,7 +285,7 @@ def test_a_ticket_held_by_a_process_of_another_user_than_its_owner_is_refused(
     # The ticket file, its record and its user all say "nobody"; the process holding it is root's.
     hold(queue / EARLY, _record(uid=NOBODY, user="nobody"))
     os.chown(queue / EARLY, NOBODY, NOBODY)
-    line = read_line()
+    line = read_queue()
     assert line.waiters == ()
     assert [(f.name, f.why) for f in line.foreign] == [
         (EARLY, f"its process {os.getpid()} runs as root, not as nobody")
@@ -295,7 +295,7 @@ def test_a_ticket_held_by_a_process_of_another_user_than_its_owner_is_refused(
 def test_the_line_is_read_in_the_queue_folder_that_was_opened_not_one_put_in_its_place(
     locks: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = line_module.open_folder
+    real = waiters_module.open_folder
     moved = tmp_path / "moved"
 
     def swapped(path: Path, *, create: bool = False) -> int:
@@ -306,8 +306,8 @@ def test_the_line_is_read_in_the_queue_folder_that_was_opened_not_one_put_in_its
 
     with Ticket() as waiter:
         with monkeypatch.context() as patch:
-            patch.setattr(line_module, "open_folder", swapped)
-            line = read_line()
+            patch.setattr(waiters_module, "open_folder", swapped)
+            line = read_queue()
         os.rmdir(waiter.queue)
         os.rename(moved, waiter.queue)
     assert [w.ticket for w in line.waiters] == [waiter.name]
@@ -321,7 +321,7 @@ def test_a_waiter_tidies_its_abandoned_tickets_in_the_folder_it_joined_not_a_new
         moved = tmp_path / "moved"
         os.rename(waiter.queue, moved)
         os.mkdir(waiter.queue)
-        assert [(f.name, f.why) for f in waiter.line().foreign] == [
+        assert [(f.name, f.why) for f in waiter.read_queue().foreign] == [
             (EARLY, "not held by a live waiter")
         ]
         assert sorted(os.listdir(moved)) == [waiter.name]
@@ -336,11 +336,11 @@ def test_junk_in_the_queue_folder_is_counted_past_the_first_few_and_hides_no_wai
         (queue / f"junk-{i:04d}").touch()
         (queue / f"{i:020d}-1-cccccccc.ticket").touch()  # named before every real ticket
     with Ticket() as honest:
-        line = read_line()
+        line = read_queue()
         assert [w.ticket for w in line.waiters] == [honest.name]
-        assert len(line.foreign) == line_module.MOST_FOREIGN
+        assert len(line.foreign) == waiters_module.MOST_FOREIGN
         assert [f.name for f in line.foreign] == sorted(f.name for f in line.foreign)
-        assert line.foreign[0] == line_module.Foreign(
+        assert line.foreign[0] == waiters_module.Foreign(
             f"{0:020d}-1-cccccccc.ticket", "not held by a live waiter"
         )
-        assert line.foreign_not_listed == 600 - line_module.MOST_FOREIGN
+        assert line.foreign_not_listed == 600 - waiters_module.MOST_FOREIGN

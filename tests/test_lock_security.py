@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gpukit.gpus.claims as claims_module
+import gpukit.sharing.claims as claims_module
 from gpukit.errors import LockFolderError, UnsafeLockFileError
-from gpukit.gpus.claims import Holder, _read_holder, claim, current_claims
-from gpukit.gpus.lockfiles import owner_name
+from gpukit.holders import Holder, user_name
+from gpukit.sharing.claims import _read_holder, claim, current_claims
 from tests.conftest import NOBODY, CliRunner, as_root
 
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -160,7 +160,7 @@ def test_a_hostile_holder_record_reads_as_the_process_that_holds_the_lock(
         os.close(fd)
     # Nothing of the record is kept: the kernel says which process holds the lock, and whose.
     assert (holder.user, holder.pid, holder.host, holder.since) == (
-        owner_name(os.geteuid()),
+        user_name(os.geteuid()),
         os.getpid(),
         None,
         None,
@@ -215,7 +215,7 @@ def test_gpukit_list_shows_a_hostile_record_without_breaking(
         os.close(fd)
     assert table.returncode == 0, table.stderr
     assert "\x1b" not in table.stdout
-    assert f"{owner_name(os.geteuid())} (pid {os.getpid()}:" in table.stdout
+    assert f"{user_name(os.geteuid())} (pid {os.getpid()}:" in table.stdout
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout)["claims"][uuid]["pid"] == os.getpid()
 
@@ -368,7 +368,7 @@ def test_a_lock_that_pid_1_holds_is_shown_as_pid_1s(
     _lock_table(monkeypatch, {held: frozenset({1})})
     holder = current_claims()[UUID_A]
     assert (holder.pid, holder.host, holder.since) == (1, None, None)
-    assert holder.user == owner_name(os.stat("/proc/1").st_uid)
+    assert holder.user == user_name(os.stat("/proc/1").st_uid)
 
 
 def test_where_proc_hides_the_holder_the_records_user_is_kept(
@@ -384,7 +384,7 @@ def test_where_proc_shows_the_holder_its_user_replaces_the_records(
     held: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _lock_table(monkeypatch, {held: frozenset({os.getpid()})})
-    assert current_claims()[UUID_A] == replace(_as_written(), user=owner_name(os.getuid()))
+    assert current_claims()[UUID_A] == replace(_as_written(), user=user_name(os.getuid()))
 
 
 @contextlib.contextmanager
@@ -422,7 +422,7 @@ def test_a_holder_the_record_does_not_name_is_shown_with_its_command_line(
     with _sleeper(*args) as pid:
         _lock_table(monkeypatch, {held: frozenset({pid})})
         holder = current_claims()[UUID_A]
-    assert holder == Holder(owner_name(os.getuid()), pid, None, shown, None)
+    assert holder == Holder(user_name(os.getuid()), pid, None, shown, None)
 
 
 def test_where_proc_hides_the_holder_its_user_is_unknown_not_the_records(

@@ -14,9 +14,9 @@ import pytest
 from gpukit.errors import LockFolderError
 
 # Imported here, as root: the user the tests switch to may not read this Python's own modules.
-from gpukit.gpus.claims import claim, current_claims
-from gpukit.gpus.lock_setup import setup_lock_dir
-from gpukit.gpus.lockdir import lock_dir, read_config
+from gpukit.sharing.claims import claim, current_claims
+from gpukit.sharing.lock_folder import lock_folder, read_config
+from gpukit.sharing.lock_setup import setup_lock_dir
 from tests.conftest import CliRunner
 
 MIG = Path(__file__).parent / "fixtures" / "machines" / "server-2xH100-mig.json"
@@ -52,7 +52,7 @@ def test_setup_makes_a_root_folder_with_root_lock_files_and_names_it_in_the_conf
         lock = folder / f"{uuid}.lock"
         assert (lock.stat().st_uid, _mode(lock)) == (0, 0o666)
     assert report.config_written
-    assert lock_dir() == folder
+    assert lock_folder() == folder
 
 
 def test_setup_keeps_the_rest_of_an_existing_config(root: Path) -> None:

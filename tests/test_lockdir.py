@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpukit.errors import LockFolderError
-from gpukit.gpus.lockdir import DEFAULT_LOCK_DIR, lock_dir, lock_dir_choice
+from gpukit.sharing.lock_folder import DEFAULT_LOCK_FOLDER, lock_folder, lock_folder_choice
 from tests.conftest import CliRunner, run_python, subprocess_env
 
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -33,12 +33,12 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
 
 @pytest.mark.usefixtures("config")
 def test_without_config_or_override_the_lock_folder_is_the_fixed_default() -> None:
-    assert lock_dir() == DEFAULT_LOCK_DIR == Path("/tmp/gpukit-locks")
-    assert lock_dir_choice().source == "default"
+    assert lock_folder() == DEFAULT_LOCK_FOLDER == Path("/tmp/gpukit-locks")
+    assert lock_folder_choice().source == "default"
 
 
 def test_the_default_lock_folder_does_not_follow_tmpdir(config: Path, tmp_path: Path) -> None:
-    code = "from gpukit.gpus.claims import lock_dir; print(lock_dir())"
+    code = "from gpukit.sharing.lock_folder import lock_folder; print(lock_folder())"
     own_tmp = tmp_path / "my-tmp"
     own_tmp.mkdir()
     out = run_python(code, TMPDIR=str(own_tmp), GPUKIT_CONFIG=str(config), GPUKIT_LOCK_DIR=None)
@@ -47,7 +47,7 @@ def test_the_default_lock_folder_does_not_follow_tmpdir(config: Path, tmp_path: 
 
 def test_the_config_file_sets_the_machines_lock_folder(config: Path) -> None:
     _write(config, 'lock_dir = "/var/lib/gpukit/locks"\n')
-    choice = lock_dir_choice()
+    choice = lock_folder_choice()
     assert choice.path == Path("/var/lib/gpukit/locks")
     assert choice.source == str(config)
     assert choice.warning is None
@@ -58,7 +58,7 @@ def test_gpukit_lock_dir_overrides_the_config_and_is_warned_about(
 ) -> None:
     _write(config, 'lock_dir = "/var/lib/gpukit/locks"\n')
     monkeypatch.setenv("GPUKIT_LOCK_DIR", "/scratch/locks")
-    choice = lock_dir_choice()
+    choice = lock_folder_choice()
     assert (choice.path, choice.machine) == (Path("/scratch/locks"), Path("/var/lib/gpukit/locks"))
     assert choice.warning is not None
     assert "not this machine's lock folder /var/lib/gpukit/locks" in choice.warning
@@ -68,7 +68,7 @@ def test_an_override_equal_to_the_machines_folder_is_not_warned_about(
     config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("GPUKIT_LOCK_DIR", "/tmp/gpukit-locks/")
-    assert lock_dir_choice().warning is None
+    assert lock_folder_choice().warning is None
 
 
 @pytest.mark.parametrize(
@@ -84,20 +84,20 @@ def test_a_bad_lock_dir_in_the_config_is_a_lock_folder_error(
 ) -> None:
     _write(config, text)
     with pytest.raises(LockFolderError, match=message) as caught:
-        lock_dir()
+        lock_folder()
     assert caught.value.exit_code == 5
 
 
 def test_a_config_file_others_can_write_is_refused(config: Path) -> None:
     _write(config, 'lock_dir = "/home/eve/locks"\n', mode=0o666)
     with pytest.raises(LockFolderError, match="another user could have written it"):
-        lock_dir()
+        lock_folder()
 
 
 def test_a_relative_override_is_refused(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUKIT_LOCK_DIR", "locks")
     with pytest.raises(LockFolderError, match="not an absolute path"):
-        lock_dir()
+        lock_folder()
 
 
 def test_users_with_different_tmpdirs_see_each_others_claims(
@@ -108,7 +108,7 @@ def test_users_with_different_tmpdirs_see_each_others_claims(
     tmp_a.mkdir()
     tmp_b.mkdir()
     hold = (
-        "from gpukit.gpus.claims import claim; from gpukit.gpus.inventory import inventory; "
+        "from gpukit.sharing.claims import claim; from gpukit.gpus.inventory import inventory; "
         "c = claim([inventory().gpu(0)]); print('held', flush=True); input()"
     )
     env = subprocess_env(
@@ -198,7 +198,7 @@ def test_a_deeply_nested_config_is_a_lock_folder_error_naming_the_file(
 ) -> None:
     _write(config, text)
     with pytest.raises(LockFolderError) as caught:
-        lock_dir()
+        lock_folder()
     assert str(config) in caught.value.message
     assert "Fix the TOML" in caught.value.hint
     done = run_cli("pick", env={"GPUKIT_FAKE_NVML": str(L4), "GPUKIT_CONFIG": str(config)})
@@ -219,7 +219,7 @@ def test_a_config_that_is_a_fifo_is_refused_without_waiting_for_a_writer(config:
     signal.alarm(10)
     try:
         with pytest.raises(LockFolderError, match="a FIFO, not a regular file"):
-            lock_dir()
+            lock_folder()
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

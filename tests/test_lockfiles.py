@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpukit.errors import ExitCode, LockFolderError, UnsafeLockFileError
-from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder
+from gpukit.sharing.lockfiles import open_folder, open_lock_file, opened_folder
 from tests.conftest import NOBODY, as_root
 
 

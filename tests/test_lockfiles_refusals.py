@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-import gpukit.gpus.lockfiles as lockfiles
+import gpukit.sharing.lockfiles as lockfiles
 from gpukit.errors import GpukitError, LockFolderError
-from gpukit.gpus.lockfiles import check_folder, open_folder, open_lock_file, opened_folder
+from gpukit.sharing.lockfiles import check_folder, open_folder, open_lock_file, opened_folder
 from tests.conftest import NOBODY, as_root
 
 ME = pwd.getpwuid(os.geteuid()).pw_name

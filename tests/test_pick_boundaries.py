@@ -17,7 +17,7 @@ import gpukit as gk
 from gpukit.errors import InvalidArgumentError, NoGpuAvailableError
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GPU, Inventory, inventory
-from gpukit.gpus.select import pick
+from gpukit.sharing.pick import pick
 from gpukit.sizes import parse_size
 from tests.conftest import MACHINES, CliRunner, subprocess_env
 

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 import gpukit as gk
 from gpukit.errors import PolicyError, UserLimitError
-from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.lockfiles import open_folder
-from gpukit.gpus.policy import Limits, Policy, holdings, load_policy, user_name
+from gpukit.sharing.claims import claim
+from gpukit.sharing.lockfiles import open_folder
+from gpukit.sharing.policy import Limits, Policy, holdings, load_policy, user_name
 from tests.conftest import ROOT, CliRunner
 
 L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -167,8 +167,8 @@ _NOBODY = 65534
 _HOLD_AND_WAIT = """
 import sys
 from pathlib import Path
-from gpukit.gpus.claims import claim
-from gpukit.gpus.waiting import Ticket
+from gpukit.sharing.claims import claim
+from gpukit.sharing.tickets import Ticket
 locks, uuid = Path(sys.argv[1]), sys.argv[2]
 held = claim([uuid], folder=locks)
 ticket = Ticket(locks, n=1, command="more please")
@@ -191,7 +191,7 @@ def _python_for_nobody() -> str | None:
     for python in (sys.executable, "/usr/bin/python3"):
         try:
             probe = subprocess.run(
-                [python, "-c", "import gpukit.gpus.waiting"],
+                [python, "-c", "import gpukit.sharing.tickets"],
                 env={"PYTHONPATH": str(ROOT / "src")},
                 preexec_fn=_as_nobody,
                 capture_output=True,
@@ -235,9 +235,9 @@ def test_a_waiter_held_back_by_its_users_limit_does_not_hold_up_the_line(
         )
         assert other.stdout is not None
         assert other.stdout.readline() == "ready\n"
-        from gpukit.gpus.waiting import read_line
+        from gpukit.sharing.waiters import read_queue
 
-        (first,) = read_line(locks).waiters
+        (first,) = read_queue(locks).waiters
         assert (first.uid, first.command) == (_NOBODY, "more please")
         assert holdings(locks) == {_NOBODY: (gpu0,)}
         assert load_policy(locks).refusal(first.uid, first.n, holdings(locks)) == (
@@ -271,7 +271,7 @@ _VALUES = st.one_of(
 def test_a_policy_is_read_exactly_or_refused_with_a_policy_error(
     entries: dict[str, object], table: str
 ) -> None:
-    from gpukit.gpus.policy import _parse
+    from gpukit.sharing.policy import _parse
 
     def toml(value: object) -> str:
         return str(value).lower() if isinstance(value, bool) else str(value)
@@ -292,7 +292,7 @@ def test_a_policy_is_read_exactly_or_refused_with_a_policy_error(
 
 @given(st.binary(max_size=100))
 def test_any_bytes_in_a_policy_are_read_or_refused_with_a_policy_error(data: bytes) -> None:
-    from gpukit.gpus.policy import _parse
+    from gpukit.sharing.policy import _parse
 
     with contextlib.suppress(PolicyError):
         _parse(data, Path("policy.toml"))

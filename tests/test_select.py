@@ -18,18 +18,12 @@ from gpukit.errors import (
     NoGpuAvailableError,
     UserLimitError,
 )
-from gpukit.gpus.claims import Holder
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GPU, GpuProcess, Inventory, inventory
-from gpukit.gpus.policy import Limits, Policy, user_name
-from gpukit.gpus.select import (
-    assess,
-    best_first,
-    check_user_limit,
-    choose,
-    no_gpu_error,
-    pick,
-)
+from gpukit.gpus.select import assess, best_first, choose, no_gpu_error
+from gpukit.holders import Holder, user_name
+from gpukit.sharing.pick import check_user_limit, pick
+from gpukit.sharing.policy import Limits, Policy
 from gpukit.sizes import format_size, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,7 +261,8 @@ def test_parse_size_is_exact_for_whole_numbers_of_any_binary_unit(number: int, u
 
 def test_selection_and_the_commands_never_import_torch() -> None:
     code = (
-        "import sys; import gpukit, gpukit.gpus.select, gpukit.gpus.claims, gpukit.gpus.waiting, "
+        "import sys; import gpukit, gpukit.gpus.select, gpukit.sharing.claims, "
+        "gpukit.sharing.tickets, gpukit.sharing.pick, "
         "gpukit.cli.pick, gpukit.cli.run; gpukit.pick; gpukit.claim; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

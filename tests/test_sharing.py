@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpukit.gpus import waiting
-from gpukit.gpus.claims import claim
 from gpukit.gpus.criteria import Criteria
+from gpukit.gpus.grants import Grant
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Waiter
-from gpukit.gpus.sharing import sharing
-from gpukit.gpus.visible import Grant
+from gpukit.sharing import tickets, waiters
+from gpukit.sharing.claims import claim
+from gpukit.sharing.report import sharing
+from gpukit.sharing.waiters import Waiter
 
 L4 = Path(__file__).parent / "fixtures" / "machines" / "server-4xL4-idle.json"
 HOUR = 3600.0
@@ -188,7 +188,7 @@ def test_a_co_user_who_takes_the_name_of_your_readings_first_cannot_hide_idle_cl
     import tempfile
     import warnings
 
-    from gpukit.gpus.lockfiles import open_folder
+    from gpukit.sharing.lockfiles import open_folder
 
     shared = Path(tempfile.mkdtemp(prefix="gpukit-observed-", dir="/tmp"))
     try:
@@ -253,7 +253,7 @@ def test_every_name_of_your_readings_taken_is_said_not_hidden(locks: Path) -> No
 
 
 def _line(*waiters: tuple[int, int, Criteria | None]) -> object:
-    """A line of waiters (uid, n, criteria) as gpus.waiting.read_line gives it."""
+    """A line of waiters (uid, n, criteria) as sharing.waiters.read_queue gives it."""
     return SimpleNamespace(
         waiters=tuple(
             Waiter(
@@ -281,10 +281,10 @@ def test_the_next_waiter_says_how_many_gpus_qualify_and_the_others_whom_they_are
 ) -> None:
     inv = inventory()
     line = _line((1, 2, Criteria()), (2, 1, Criteria()), (3, 1, Criteria.make(min_free="10GiB")))
-    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line)
+    monkeypatch.setattr(waiters, "read_queue", lambda folder=None: line)
     with claim([inv.gpu(0), inv.gpu(1), inv.gpu(2)]):
-        waiters = sharing(inv).waiters
-    assert [(w.position, w.user, w.n, w.criteria, w.reason) for w in waiters] == [
+        shown = sharing(inv).waiters
+    assert [(w.position, w.user, w.n, w.criteria, w.reason) for w in shown] == [
         (1, "u1", 2, "no process on it", "1 of 2 GPUs qualify"),
         (2, "u2", 1, "no process on it", "behind position 1"),
         (3, "u3", 1, "at least 10 GiB free", "behind position 1"),
@@ -297,13 +297,13 @@ def test_a_waiter_held_back_by_its_user_limit_does_not_hold_up_the_next(
     inv = inventory()
     me = os.getuid()
     line = _line((me, 1, Criteria()), (me + 4242, 1, Criteria()))
-    monkeypatch.setattr(waiting, "read_line", lambda folder=None: line)
+    monkeypatch.setattr(waiters, "read_queue", lambda folder=None: line)
     with claim([inv.gpu(0)]):
         policy = locks / "policy.toml"
         policy.write_text("[limits]\nmax_gpus_per_user = 1\n")
         policy.chmod(0o644)
-        waiters = sharing(inv).waiters
-    assert [w.reason for w in waiters] == [
+        shown = sharing(inv).waiters
+    assert [w.reason for w in shown] == [
         "user limit 1 reached",
         "its GPUs qualify: it claims them at its next poll",
     ]
@@ -337,7 +337,7 @@ def test_what_is_in_the_queue_folder_but_is_no_waiter_is_listed_as_foreign_with_
 
 
 def test_each_waiter_is_shown_with_its_command_with_no_control_character(locks: Path) -> None:
-    with waiting.Ticket(command="python train.py \x1b]0;pwned\x07--lr 3"):
+    with tickets.Ticket(command="python train.py \x1b]0;pwned\x07--lr 3"):
         (waiter,) = sharing(inventory(), observe=False).waiters
         shown = sharing(inventory(), observe=False).to_json()["waiters"][0]["command"]
     assert waiter.command == shown == "python train.py ?]0;pwned?--lr 3"
@@ -360,7 +360,7 @@ def test_a_waiter_for_20gb_is_judged_by_20_billion_bytes_not_by_the_rounded_sent
 ) -> None:
     # 19.99e9 bytes free: below 20 GB, but above the 18.6 GiB the sentence rounds it to.
     inv = _free_on(tmp_path, monkeypatch, {0: 19_990_000_000, 1: 19_990_000_000})
-    with waiting.Ticket(n=4, criteria=Criteria.make(min_free="20GB")):
+    with tickets.Ticket(n=4, criteria=Criteria.make(min_free="20GB")):
         (waiter,) = sharing(inv, observe=False).waiters
     assert (waiter.criteria, waiter.reason) == ("at least 18.6 GiB free", "2 of 4 GPUs qualify")
 
@@ -385,7 +385,7 @@ def test_a_waiter_for_20gb_is_judged_by_20_billion_bytes_not_by_the_rounded_sent
 def test_the_next_waiter_is_told_how_many_gpus_qualify_for_its_exact_criteria(
     criteria: Criteria, qualify: int
 ) -> None:
-    with waiting.Ticket(n=8, criteria=criteria):
+    with tickets.Ticket(n=8, criteria=criteria):
         (waiter,) = sharing(inventory(), observe=False).waiters
     assert waiter.reason == f"{qualify} of 8 GPUs qualify"
 
@@ -431,7 +431,7 @@ def test_the_next_waiter_is_told_how_many_gpus_qualify_for_its_exact_criteria(
 def test_a_waiter_whose_criteria_cannot_be_read_keeps_its_place_with_criteria_unknown(
     locks: Path, wants: object
 ) -> None:
-    with waiting.Ticket(n=1) as ticket:
+    with tickets.Ticket(n=1) as ticket:
         record = json.loads(ticket.path.read_text())
         if wants is None:
             del record["wants"]

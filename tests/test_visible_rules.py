@@ -28,6 +28,7 @@ from gpukit.errors import (
     InvalidArgumentError,
     VisibleDevicesError,
 )
+from gpukit.gpus.grants import granted_gpus
 from gpukit.gpus.inventory import GPU, Inventory, inventory
 from gpukit.gpus.visible import (
     VisibleDevice,
@@ -437,7 +438,7 @@ def test_a_uuid_list_with_an_index_in_it_ends_at_the_index(use: UseMachine) -> N
         f"CUDA_VISIBLE_DEVICES={value}: CUDA stops at the first invalid entry and uses only "
         f"{T4_0}.",
     )
-    grant = visible.granted_gpus(use(T4), {"CUDA_VISIBLE_DEVICES": value})
+    grant = granted_gpus(use(T4), {"CUDA_VISIBLE_DEVICES": value})
     assert grant is not None
     assert grant.indices == (0,)
 

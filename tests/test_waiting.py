@@ -16,12 +16,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpukit.errors import LockFolderError
-from gpukit.gpus.claims import claim
 from gpukit.gpus.criteria import Criteria
+from gpukit.gpus.grants import Grant
 from gpukit.gpus.inventory import inventory
-from gpukit.gpus.policy import user_name
-from gpukit.gpus.visible import Grant
-from gpukit.gpus.waiting import TICKET_SCHEMA, Ticket, read_line
+from gpukit.sharing.claims import claim
+from gpukit.sharing.policy import user_name
+from gpukit.sharing.tickets import Ticket
+from gpukit.sharing.waiters import TICKET_SCHEMA, read_queue
 from tests.conftest import ROOT, subprocess_env
 
 L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
@@ -93,7 +94,7 @@ def test_a_ticket_with_an_early_name_made_after_yours_comes_after_yours(
 ) -> None:
     with Ticket(n=2, criteria=Criteria.make(max_util=10), command="python train.py") as honest:
         pid = forger(honest.queue / EARLY, _record("self"))  # type: ignore[operator]
-        line = read_line()
+        line = read_queue()
         assert [(w.position, w.pid, w.ticket) for w in line.waiters] == [
             (1, os.getpid(), honest.name),
             (2, pid, EARLY),
@@ -103,7 +104,7 @@ def test_a_ticket_with_an_early_name_made_after_yours_comes_after_yours(
 
 def test_read_line_reports_each_waiter_as_its_ticket_records_it(locks: Path) -> None:
     with Ticket(n=2, criteria=Criteria.make(max_util=10), command="python train.py") as mine:
-        (waiter,) = read_line().waiters
+        (waiter,) = read_queue().waiters
     assert (waiter.position, waiter.pid, waiter.uid, waiter.user) == (
         1,
         os.getpid(),
@@ -118,7 +119,7 @@ def test_read_line_reports_each_waiter_as_its_ticket_records_it(locks: Path) -> 
     )
     assert waiter.wants == Criteria.make(max_util=10)
     assert abs(waiter.since - time.time()) < 60
-    assert read_line().waiters == ()  # closed: out of the line
+    assert read_queue().waiters == ()  # closed: out of the line
 
 
 def test_control_characters_in_a_ticket_reach_no_terminal(locks: Path) -> None:
@@ -126,7 +127,7 @@ def test_control_characters_in_a_ticket_reach_no_terminal(locks: Path) -> None:
     # screen, retitle the terminal or recolour what follows.
     hostile = Criteria(max_util=10, exclude=("\x1b[2J\x1b]0;pwned\x07\r",))
     with Ticket(criteria=hostile, command="train\x1b[31m.py"):
-        (waiter,) = read_line().waiters
+        (waiter,) = read_queue().waiters
     assert (waiter.criteria, waiter.command) == (
         "at most 10% busy, no process on it, not ?[2J?]0;pwned??",
         "train?[31m.py",
@@ -136,7 +137,7 @@ def test_control_characters_in_a_ticket_reach_no_terminal(locks: Path) -> None:
 def test_a_later_honest_waiter_stays_behind_an_earlier_one(locks: Path) -> None:
     with Ticket() as first, Ticket() as second:
         assert (first.ahead(), second.ahead()) == (0, 1)
-        assert [w.ticket for w in read_line().waiters] == [first.name, second.name]
+        assert [w.ticket for w in read_queue().waiters] == [first.name, second.name]
 
 
 @pytest.mark.parametrize(
@@ -157,7 +158,7 @@ def test_a_forged_ticket_in_front_is_ignored_and_reported(
         full = None if record is None else {**_record("self"), **record}
         forger(honest.queue / EARLY, full)  # type: ignore[operator]
         os.utime(honest.queue / EARLY, ns=(0, 0))
-        line = read_line()
+        line = read_queue()
         assert [w.ticket for w in line.waiters] == [honest.name]
         ((name, reason),) = [(f.name, f.why) for f in line.foreign]
         assert name == EARLY
@@ -187,7 +188,7 @@ def test_links_fifos_and_folders_among_tickets_change_nothing_and_never_block(
         (queue / "00000000000000000004-1-dddddddd.ticket").mkdir()
         (queue / "notes.txt").write_text("hello")
         code = (
-            "from gpukit.gpus.waiting import read_line; line = read_line(); "
+            "from gpukit.sharing.waiters import read_queue; line = read_queue(); "
             "print([w.pid for w in line.waiters]); "
             "print(sorted((f.name.lstrip('0'), f.why) for f in line.foreign))"
         )
@@ -220,15 +221,17 @@ def test_a_queue_folder_that_is_a_link_is_refused_not_followed(locks: Path, tmp_
         locks.mkdir()
         (locks / "queue").symlink_to(elsewhere / "queue")
         with pytest.raises(LockFolderError, match="symbolic link") as info:
-            read_line(locks)
+            read_queue(locks)
         assert info.value.exit_code == 5
         with pytest.raises(LockFolderError, match="symbolic link"):
             Ticket(locks)
-        assert len(read_line(elsewhere).waiters) == 1
+        assert len(read_queue(elsewhere).waiters) == 1
 
 
 def test_a_dead_waiter_leaves_the_line_at_once(locks: Path) -> None:
-    code = "from gpukit.gpus.waiting import Ticket; t = Ticket(); print('in', flush=True); input()"
+    code = (
+        "from gpukit.sharing.tickets import Ticket; t = Ticket(); print('in', flush=True); input()"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env=subprocess_env(GPUKIT_LOCK_DIR=str(locks)),
@@ -239,16 +242,16 @@ def test_a_dead_waiter_leaves_the_line_at_once(locks: Path) -> None:
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "in"
     with Ticket() as mine:
-        assert [w.pid for w in read_line().waiters] == [proc.pid, os.getpid()]
+        assert [w.pid for w in read_queue().waiters] == [proc.pid, os.getpid()]
         proc.kill()
         proc.wait()
         assert mine.ahead() == 0
-        assert [w.pid for w in read_line().waiters] == [os.getpid()]
+        assert [w.pid for w in read_queue().waiters] == [os.getpid()]
 
 
 def test_claiming_with_a_forged_ticket_in_front_is_not_delayed(locks: Path, forger: object) -> None:
     from gpukit.gpus.criteria import Criteria
-    from gpukit.gpus.waiting import wait_and_claim
+    from gpukit.sharing.tickets import wait_and_claim
 
     gpus = inventory().gpus
     queue = locks / "queue"
@@ -286,7 +289,7 @@ def _finite(value: object) -> bool:
 def test_a_ticket_record_is_accepted_only_with_every_field_of_the_right_type(
     changes: dict[str, object], drop: set[str]
 ) -> None:
-    from gpukit.gpus.line import _record as parse
+    from gpukit.sharing.waiters import _record as parse
 
     raw = {k: v for k, v in {**_record(4242), **changes}.items() if k not in drop}
     parsed = parse(json.dumps(raw).encode())
@@ -305,7 +308,7 @@ def test_a_ticket_record_is_accepted_only_with_every_field_of_the_right_type(
 
 @given(st.binary(max_size=200))
 def test_any_bytes_in_a_ticket_are_read_without_an_error(data: bytes) -> None:
-    from gpukit.gpus.line import _record as parse
+    from gpukit.sharing.waiters import _record as parse
 
     parse(data)
 
@@ -313,13 +316,13 @@ def test_any_bytes_in_a_ticket_are_read_without_an_error(data: bytes) -> None:
 def test_without_a_kernel_lock_table_a_ticket_counts_while_its_lock_is_held(
     locks: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gpukit.gpus.line as line_module
+    import gpukit.sharing.waiters as waiters_module
 
-    monkeypatch.setattr(line_module, "exclusive_flocks", lambda: None)  # as on macOS
+    monkeypatch.setattr(waiters_module, "exclusive_flocks", lambda: None)  # as on macOS
     with Ticket() as honest:
         dead = honest.queue / EARLY
         dead.write_text(json.dumps(_record(os.getpid())))
-        line = read_line()
+        line = read_queue()
         assert [w.ticket for w in line.waiters] == [honest.name]
         assert [(f.name, f.why) for f in line.foreign] == [(EARLY, "not held by a live waiter")]
 
@@ -342,7 +345,7 @@ def test_a_waiters_criteria_come_back_from_its_ticket_exactly(
     locks: Path, criteria: Criteria
 ) -> None:
     with Ticket(criteria=criteria):
-        (waiter,) = read_line().waiters
+        (waiter,) = read_queue().waiters
     assert waiter.wants == criteria
     assert waiter.criteria == criteria.describe()
 
@@ -380,6 +383,6 @@ def test_a_waiter_excluding_thousands_of_gpus_keeps_its_place_with_criteria_unkn
 ) -> None:
     criteria = Criteria(exclude=tuple(f"GPU-{i:036d}" for i in range(3000)))
     with Ticket(criteria=criteria, command="python train.py") as ticket:
-        (waiter,) = read_line().waiters
+        (waiter,) = read_queue().waiters
     assert (waiter.ticket, waiter.command, waiter.wants) == (ticket.name, "python train.py", None)
     assert criteria.describe().startswith(waiter.criteria)

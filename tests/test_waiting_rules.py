@@ -23,14 +23,14 @@ from pathlib import Path
 
 import pytest
 
-import gpukit.gpus.waiting as waiting
+import gpukit.sharing.tickets as tickets
 from gpukit.errors import LockFolderError, NoGpuAvailableError, UserLimitError, WaitTimeoutError
-from gpukit.gpus.claims import Claim, claim, current_claims
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Line, read_line
-from gpukit.gpus.policy import Limits, Policy
-from gpukit.gpus.waiting import Ticket, wait_and_claim
+from gpukit.sharing.claims import Claim, claim, current_claims
+from gpukit.sharing.policy import Limits, Policy
+from gpukit.sharing.tickets import Ticket, wait_and_claim
+from gpukit.sharing.waiters import Queue, read_queue
 from tests.conftest import MACHINES
 
 L4 = MACHINES / "server-4xL4-idle.json"
@@ -55,7 +55,7 @@ def other(tmp_path: Path) -> Path:
 
 
 class Clock:
-    """Stands in for the ``time`` module of gpukit.gpus.waiting: sleeping takes no real time."""
+    """Stands in for the ``time`` module of gpukit.sharing.tickets: sleeping takes no real time."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -80,7 +80,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(waiting, "time", fake)
+    monkeypatch.setattr(tickets, "time", fake)
     return fake
 
 
@@ -121,7 +121,7 @@ def test_a_ticket_without_details_waits_for_one_gpu_of_any_kind_for_this_command
 ) -> None:
     monkeypatch.setattr(sys, "argv", ["train.py", "--epochs", "3"])
     with Ticket():
-        (waiter,) = read_line().waiters
+        (waiter,) = read_queue().waiters
     assert (waiter.n, waiter.criteria, waiter.command) == (
         1,
         "no process on it",
@@ -172,7 +172,7 @@ def test_a_ticket_is_private_until_it_is_locked_then_readable_by_everyone(
         modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
         real(fd, operation)
 
-    monkeypatch.setattr(waiting.fcntl, "flock", flock)
+    monkeypatch.setattr(tickets.fcntl, "flock", flock)
     with Ticket() as ticket:
         assert stat.S_IMODE(ticket.path.stat().st_mode) == 0o644
     assert modes[0] == 0o600
@@ -183,7 +183,7 @@ def test_a_file_planted_under_a_tickets_hidden_name_is_neither_used_nor_changed(
 ) -> None:
     monkeypatch.setattr(clock, "time_ns", lambda: 1234)
     monkeypatch.setattr(
-        waiting.uuid_module, "uuid4", lambda: uuid.UUID("abcdef12-0000-4000-8000-000000000000")
+        tickets.uuid_module, "uuid4", lambda: uuid.UUID("abcdef12-0000-4000-8000-000000000000")
     )
     queue = locks / "queue"
     queue.mkdir(parents=True)
@@ -198,7 +198,7 @@ def test_a_file_planted_under_a_tickets_hidden_name_is_neither_used_nor_changed(
 def test_a_ticket_is_made_in_the_queue_folder_that_was_checked_not_one_put_in_its_place(
     monkeypatch: pytest.MonkeyPatch, locks: Path, tmp_path: Path
 ) -> None:
-    real = waiting.open_folder
+    real = tickets.open_folder
     moved = tmp_path / "moved"
 
     def swapped(path: Path, *, create: bool = False) -> int:
@@ -207,7 +207,7 @@ def test_a_ticket_is_made_in_the_queue_folder_that_was_checked_not_one_put_in_it
         os.mkdir(path)
         return fd
 
-    monkeypatch.setattr(waiting, "open_folder", swapped)
+    monkeypatch.setattr(tickets, "open_folder", swapped)
     with Ticket() as ticket:
         assert os.listdir(moved) == [ticket.name]
         assert os.listdir(locks / "queue") == []
@@ -223,7 +223,7 @@ def test_a_full_disk_while_writing_a_ticket_is_a_lock_folder_error_that_leaves_n
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data)
 
-    monkeypatch.setattr(waiting.os, "write", write)
+    monkeypatch.setattr(tickets.os, "write", write)
     before = _open_fds()
     with pytest.raises(LockFolderError) as caught:
         Ticket()
@@ -245,7 +245,7 @@ def test_a_ticket_that_cannot_be_created_raises_the_lock_folders_error_and_leaks
     def refused(*args: object, **kwargs: object) -> int:
         raise refusal
 
-    monkeypatch.setattr(waiting, "open_lock_file", refused)
+    monkeypatch.setattr(tickets, "open_lock_file", refused)
     before = _open_fds()
     with pytest.raises(LockFolderError) as caught:
         Ticket()
@@ -260,8 +260,8 @@ def test_closing_a_ticket_twice_is_harmless_and_a_closed_ticket_sees_no_line() -
         ticket.close()
         ticket.close()
         assert not ticket.path.exists()
-        assert ticket.line() == Line()
-        assert [w.ticket for w in still_waiting.line().waiters] == [still_waiting.name]
+        assert ticket.read_queue() == Queue()
+        assert [w.ticket for w in still_waiting.read_queue().waiters] == [still_waiting.name]
     assert _open_fds() <= before
 
 
@@ -269,14 +269,14 @@ def test_closing_a_ticket_someone_already_removed_is_harmless() -> None:
     ticket = Ticket()
     ticket.path.unlink()  # the folder's owner tidied up
     ticket.close()
-    assert read_line().waiters == ()
+    assert read_queue().waiters == ()
 
 
 def test_a_waiter_with_a_very_long_command_keeps_its_place_in_line() -> None:
     # The line reads at most 64 KiB of a ticket; the command is cut to fit, never the place.
     for command in ("x" * 70_000, "é" * 20_000, "😀" * 10_000):
         with Ticket(command=command) as ticket:
-            (waiter,) = read_line().waiters
+            (waiter,) = read_queue().waiters
         assert (waiter.ticket, waiter.command) == (ticket.name, command[:4096])
 
 
@@ -314,8 +314,8 @@ def test_a_waiter_queues_and_claims_in_the_lock_folder_it_is_given(
     seen: list[tuple[str, tuple[tuple[int, str, str], ...], int]] = []
 
     def status(text: str) -> None:
-        waiters = tuple((w.n, w.criteria, w.command) for w in read_line(other).waiters)
-        seen.append((text, waiters, len(read_line(locks).waiters)))
+        waiters = tuple((w.n, w.criteria, w.command) for w in read_queue(other).waiters)
+        seen.append((text, waiters, len(read_queue(locks).waiters)))
 
     at_most_half_busy = Criteria.make(max_util=50)
     with claim(gpus[:2], command="python eval.py"), claim(gpus[2:], folder=other):
@@ -439,7 +439,7 @@ def test_a_claim_that_would_put_the_user_past_the_limit_after_all_is_given_back(
     monkeypatch: pytest.MonkeyPatch, other: Path, clock: Clock
 ) -> None:
     gpus = inventory().gpus
-    real = waiting.claim
+    real = tickets.claim
     raced: list[Claim] = []
 
     def claim_while_another_process_of_the_user_claims(gpus_: list[object], **kw: object) -> Claim:
@@ -448,7 +448,7 @@ def test_a_claim_that_would_put_the_user_past_the_limit_after_all_is_given_back(
             raced.append(real([gpus[3]], folder=other))
         return got
 
-    monkeypatch.setattr(waiting, "claim", claim_while_another_process_of_the_user_claims)
+    monkeypatch.setattr(tickets, "claim", claim_while_another_process_of_the_user_claims)
     with pytest.raises(WaitTimeoutError):
         wait_and_claim(1, IDLE, timeout=3, poll=2, policy=POLICY, folder=other)
     assert list(current_claims(other)) == [gpus[3].uuid]

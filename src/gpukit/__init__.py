@@ -66,11 +66,11 @@ _EXPORTS: dict[str, str] = {
     # inventory and selection
     "inventory": "gpukit.gpus.inventory",
     "Inventory": "gpukit.gpus.inventory",
-    "pick": "gpukit.gpus.select",
-    "claim": "gpukit.gpus.select",
-    "acquire": "gpukit.gpus.acquire",
-    "GpuRequest": "gpukit.gpus.acquire",
-    "acquire_request": "gpukit.gpus.acquire",
+    "pick": "gpukit.sharing.pick",
+    "claim": "gpukit.sharing.claims",
+    "acquire": "gpukit.sharing.acquire",
+    "GpuRequest": "gpukit.sharing.acquire",
+    "acquire_request": "gpukit.sharing.acquire",
     # parallel
     "DataParallel": "gpukit.parallel.data_parallel",
     # checkpoints

@@ -94,7 +94,7 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         _as_sleep_would(0.0 if timeout is None else timeout)
         raise WaitTimeoutError("waited in a test", hint="none")
 
-    import gpukit.gpus.acquire as acquire
+    import gpukit.sharing.acquire as acquire
 
     monkeypatch.setattr(acquire, "wait_and_claim", no_wait)
     # list --hosts checks its hosts, timeout and ssh command for real, then reaches no one.

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
+from gpukit.sharing.claims import claim
 from tests.conftest import CliRunner
 
 A100 = "server-8xA100-shared"  # 8 alike GPUs; only 2 and 4 idle

@@ -188,7 +188,7 @@ def test_watch_json_prints_a_reading_per_interval_until_interrupted(machines_dir
 def test_list_shows_who_has_claimed_each_gpu(
     run_cli: CliRunner, machines_dir: Path, tmp_path: Path
 ) -> None:
-    from gpukit.gpus.claims import claim
+    from gpukit.sharing.claims import claim
 
     machine = str(machines_dir / "server-4xL4-idle.json")
     env = {"GPUKIT_FAKE_NVML": machine, "GPUKIT_LOCK_DIR": str(tmp_path), "NO_COLOR": "1"}

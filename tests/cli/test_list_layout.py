@@ -9,10 +9,10 @@ import pytest
 from rich.console import Console
 
 from gpukit.cli._gpu_table import build_hosts_table, build_table
-from gpukit.gpus.claims import Holder
 from gpukit.gpus.hosts import HostReading
 from gpukit.gpus.inventory import GPU, GpuProcess, Inventory
 from gpukit.gpus.visible import resolve
+from gpukit.holders import Holder
 
 
 def _render(renderable: object, width: int) -> list[str]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
+from gpukit.sharing.claims import claim
 from tests.conftest import CliRunner
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from gpukit.cli.run import _Status, ddp_command
-from gpukit.gpus.claims import claim, current_claims
-from gpukit.gpus.ledger import ledger_name
+from gpukit.sharing.claims import claim, current_claims
+from gpukit.sharing.ledger import ledger_name
 from tests.conftest import ROOT, CliRunner
 
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
@@ -110,7 +110,7 @@ def test_run_holds_the_claim_for_the_command_life_and_not_after(
     run_cli: CliRunner, locks: Path
 ) -> None:
     check = (
-        "import os; from gpukit.gpus.claims import current_claims; "
+        "import os; from gpukit.sharing.claims import current_claims; "
         "print(sorted(h.command for h in current_claims().values()))"
     )
     done = run_cli("run", "--", *_py(check), env=dict(_env(locks)))
@@ -527,7 +527,7 @@ def test_a_forged_early_ticket_made_after_an_honest_waiter_does_not_delay_it(
 ) -> None:
     import json
 
-    from gpukit.gpus.lockfiles import owner_name
+    from gpukit.holders import user_name
 
     uuids = _l4_uuids()
     others = claim(uuids[1:], folder=locks)
@@ -536,7 +536,7 @@ def test_a_forged_early_ticket_made_after_an_honest_waiter_does_not_delay_it(
     _until(lambda: len(list((locks / "queue").glob("*.ticket"))) == 1)
     record = {
         "schema": "gpukit.ticket/1",
-        "user": owner_name(os.getuid()),
+        "user": user_name(os.getuid()),
         "uid": os.getuid(),
         "n": 1,
         "criteria": "",

@@ -13,8 +13,8 @@ import pytest
 
 from gpukit.cli.usage import parse_since
 from gpukit.errors import InvalidArgumentError
-from gpukit.gpus.ledger import SCHEMA as LEDGER_SCHEMA
-from gpukit.gpus.usage import SCHEMA, held_runs
+from gpukit.sharing.ledger import SCHEMA as LEDGER_SCHEMA
+from gpukit.sharing.usage import SCHEMA, held_runs
 
 if TYPE_CHECKING:
     from tests.conftest import CliRunner

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from rich.measure import Measurement
     from rich.text import Text
 
-    from gpukit.gpus.claims import Holder
     from gpukit.gpus.hosts import HostReading
     from gpukit.gpus.inventory import GPU, GpuProcess, Inventory
     from gpukit.gpus.visible import VisibleDevices
+    from gpukit.holders import Holder
 
 _BAR_WIDTH = 10
 _GAP = 2  # rich's padding between two columns

@@ -31,10 +31,10 @@ from gpukit.cli._criteria import add_criteria, criteria_from
 from gpukit.cli._launch import launch
 from gpukit.cli._output import print_error, say_if_fake
 from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.gpus.acquire import POLL_VAR, GpuRequest, acquire_request, poll_interval
-from gpukit.gpus.claims import lock_dir
 from gpukit.gpus.inventory import inventory
-from gpukit.gpus.policy import load_policy
+from gpukit.sharing.acquire import POLL_VAR, GpuRequest, acquire_request, poll_interval
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.policy import load_policy
 
 _PYTHONS = ("python", "python3")
 
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         if args.cpu_ok:
             return _cpu_only(args, argv, exc)
         raise
-    folder = lock_dir()
+    folder = lock_folder()
     policy = load_policy(folder)
     # A co-user's policy.toml: not a policy, but the administrator may want to know.
     if policy.ignored:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
-from gpukit.gpus.lockfiles import owner_name
+from gpukit.holders import user_name
 from gpukit.untrusted import parse_json, printable
 
 SCHEMA = "gpukit.inventory/1"
@@ -306,7 +306,7 @@ def _proc_owner_and_command(pid: int) -> tuple[str | None, str | None]:
     except OSError:
         return None, None
     text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    return owner_name(uid), printable(text, limit=_COMMAND_LIMIT)
+    return user_name(uid), printable(text, limit=_COMMAND_LIMIT)
 
 
 def _processes(read: _Reader, handle: Any) -> tuple[GpuProcess, ...]:

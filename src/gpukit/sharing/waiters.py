@@ -21,17 +21,17 @@ name; ``utime`` can set a file's other times back, never this one), with the nam
 tie-break between tickets of the same clock tick. A ticket made after yours comes after yours,
 whatever its name says. Locking a file does not change that time, so a ticket named long ago
 and locked only later would take a place from when it was named; a ticket counts from when it
-became a live waiter instead (:class:`gpukit.gpus.waiting.Ticket`): a waiter holds a shared
+became a live waiter instead (:class:`gpukit.sharing.tickets.Ticket`): a waiter holds a shared
 lock on each ticket no one holds when it joins, for as long as it waits, and never waits for
 an earlier-named ticket it did not find live on joining.
 
 Why it cannot be jammed. Entries are opened without following links and without blocking
 (``O_NOFOLLOW | O_NONBLOCK``) and checked with ``fstat``: a regular file with one link. A ticket
 counts only while the process its record names holds its lock (the kernel's lock table,
-:mod:`gpukit.gpus.flocks`, says who holds it), the file belongs to the record's uid and user,
+:mod:`gpukit.sharing.flocks`, says who holds it), the file belongs to the record's uid and user,
 and that process runs as the same user. Anything else in the folder (a link, a FIFO, a folder,
-a forged or abandoned ticket) is ignored, and :func:`read_line` reports it in
-:attr:`Line.foreign` (the first :data:`MOST_FOREIGN` by name; the rest are counted). Nothing
+a forged or abandoned ticket) is ignored, and :func:`read_queue` reports it in
+:attr:`Queue.foreign` (the first :data:`MOST_FOREIGN` by name; the rest are counted). Nothing
 here waits on a file, so ``--timeout`` always holds. A waiter that dies (even by SIGKILL) loses
 its lock with its life: a dead waiter never blocks the line.
 
@@ -56,11 +56,11 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.errors import LockFolderError, UnsafeLockFileError
-from gpukit.gpus.claims import lock_dir
 from gpukit.gpus.criteria import Criteria
-from gpukit.gpus.flocks import exclusive_flocks, process_uid
-from gpukit.gpus.lockfiles import open_folder, open_lock_file
-from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.holders import user_name
+from gpukit.sharing.flocks import exclusive_flocks, process_uid
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.lockfiles import open_folder, open_lock_file
 from gpukit.untrusted import (
     InvalidInput,
     as_dict,
@@ -72,14 +72,14 @@ from gpukit.untrusted import (
     read_bounded,
 )
 
-__all__ = ["MOST_FOREIGN", "QUEUE", "TICKET_SCHEMA", "Foreign", "Line", "Waiter", "read_line"]
+__all__ = ["MOST_FOREIGN", "QUEUE", "TICKET_SCHEMA", "Foreign", "Queue", "Waiter", "read_queue"]
 
 TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
 _SUFFIX = ".ticket"
 _MAX_RECORD = 64 * 1024
 MOST_FOREIGN = 20
-"""How many entries that are no waiter's ticket :func:`read_line` lists (the rest are counted)."""
+"""How many entries that are no waiter's ticket :func:`read_queue` lists (the rest are counted)."""
 _INVALID = "no valid waiter record"
 _MOST_ID = 2**32 - 1  # pids and uids are 32-bit numbers
 _MOST_TIME = 1e18  # seconds: bounded, so that a 400-digit integer is refused, not converted
@@ -124,7 +124,7 @@ class Foreign:
 
 
 @dataclass(frozen=True)
-class Line:
+class Queue:
     """The waiters in service order, and what else the queue folder holds."""
 
     waiters: tuple[Waiter, ...] = ()
@@ -135,22 +135,22 @@ class Line:
 
 
 def _queue_of(folder: Path | None) -> Path:
-    return (lock_dir() if folder is None else Path(folder)) / QUEUE
+    return (lock_folder() if folder is None else Path(folder)) / QUEUE
 
 
-def read_line(folder: Path | None = None) -> Line:
+def read_queue(folder: Path | None = None) -> Queue:
     """The line of waiters of the lock folder ``folder`` (default: the machine's), in order.
 
     Never blocks, never follows a link; what does not count as a waiter is in ``foreign``.
     Raises LockFolderError when the queue folder is refused (a link, another user's folder
     that others could write without the sticky bit).
 
-    >>> [(w.position, w.user, w.n) for w in read_line().waiters]   # doctest: +SKIP
+    >>> [(w.position, w.user, w.n) for w in read_queue().waiters]   # doctest: +SKIP
     [(1, 'alice', 2), (2, 'bob', 1)]
     """
     queue = _queue_of(folder)
     if not os.path.lexists(queue):
-        return Line()  # no one has waited here yet
+        return Queue()  # no one has waited here yet
     dir_fd = open_folder(queue)
     try:
         return _read(dir_fd, queue)
@@ -158,7 +158,7 @@ def read_line(folder: Path | None = None) -> Line:
         os.close(dir_fd)
 
 
-def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
+def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Queue:
     # Every entry named like a ticket is looked at (skipping some would let junk hide a
     # waiter); of the others only the first few names are kept, to be shown.
     others: list[str] = []
@@ -204,7 +204,7 @@ def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Line:
             found.append(waiter)
     found.sort(key=lambda w: (w.arrived_ns, w.ticket))
     shown = heapq.nsmallest(MOST_FOREIGN, foreign, key=lambda f: f.name)
-    return Line(
+    return Queue(
         tuple(replace(w, position=i + 1) for i, w in enumerate(found)),
         tuple(shown),
         foreign_count - len(shown),

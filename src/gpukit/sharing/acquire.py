@@ -5,8 +5,8 @@
 ...     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, held.indices))
 
 This is what ``gpukit run`` does before it starts its command, so a Python program gets the
-same behaviour: the same criteria, the same fair line of waiters (:mod:`gpukit.gpus.waiting`),
-the same per-user limits (:mod:`gpukit.gpus.policy`), the same errors and exit codes.
+same behaviour: the same criteria, the same fair line of waiters (:mod:`gpukit.sharing.tickets`),
+the same per-user limits (:mod:`gpukit.sharing.policy`), the same errors and exit codes.
 
 Nothing here imports torch.
 """
@@ -20,21 +20,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpukit.errors import ClaimError, InvalidArgumentError, UserLimitError, check_bool
-from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GPU, Inventory, inventory
-from gpukit.gpus.policy import Limits, Policy, holdings, load_policy
-from gpukit.gpus.select import (
-    ORDERS,
-    Order,
-    Verdict,
-    assess,
-    best_first,
-    check_user_limit,
-    within_grant,
-)
+from gpukit.gpus.select import ORDERS, Order, Verdict, assess, best_first, within_grant
 from gpukit.gpus.select import no_gpu_error as _no_gpu_error
-from gpukit.gpus.waiting import wait_and_claim
+from gpukit.sharing.claims import Claim, claim, current_claims
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.pick import check_user_limit
+from gpukit.sharing.policy import Limits, Policy, holdings, load_policy
+from gpukit.sharing.tickets import wait_and_claim
 from gpukit.untrusted import MAX_SECONDS
 
 __all__ = ["POLL_VAR", "GpuRequest", "acquire", "acquire_request", "poll_interval"]
@@ -256,8 +250,8 @@ def acquire_request(
 
     ``machine`` is the machine's inventory as just read (default: ``read()`` now); a waiter
     reads the GPUs again with ``read`` at each later poll. ``folder`` is the lock folder
-    (default :func:`~gpukit.gpus.claims.lock_dir`) and ``policy`` its policy, already loaded
-    from it (default :func:`~gpukit.gpus.policy.load_policy`). The request is not checked
+    (default :func:`.lock_folder`) and ``policy`` its policy, already loaded
+    from it (default :func:`~gpukit.sharing.policy.load_policy`). The request is not checked
     again; only what needs the machine is (an ``exclude`` naming no GPU of it, the grant).
     Raises what :func:`acquire` raises.
 
@@ -269,7 +263,7 @@ def acquire_request(
             f"Cannot acquire {request!r}: not a GpuRequest.",
             hint="Make one with GpuRequest.make(n, ...), or call gk.acquire(n, ...).",
         )
-    folder = lock_dir() if folder is None else Path(folder)
+    folder = lock_folder() if folder is None else Path(folder)
     policy = load_policy(folder) if policy is None else policy
     inv = read() if machine is None else machine
     n, criteria = request.n, request.criteria

@@ -1,6 +1,6 @@
 """Waiting for GPUs: a first-come first-served line of waiters that no co-user can jump or jam.
 
-How the line is read, and why no co-user can jump or jam it: :mod:`gpukit.gpus.line`.
+How the line is read, and why no co-user can jump or jam it: :mod:`gpukit.sharing.waiters`.
 
 Nothing here imports torch.
 """
@@ -25,27 +25,18 @@ from gpukit.errors import (
     UserLimitError,
     WaitTimeoutError,
 )
-from gpukit.gpus.claims import Claim, claim, current_claims, lock_dir, shared_dir
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import (
-    _SUFFIX,
-    _TICKET_MODE,
-    QUEUE,
-    TICKET_SCHEMA,
-    Foreign,
-    Line,
-    Waiter,
-    _read,
-    read_line,
-)
-from gpukit.gpus.lockfiles import open_folder, open_lock_file
-from gpukit.gpus.lockfiles import owner_name as user_name
-from gpukit.gpus.policy import Limits, Policy, gpu_uuids, holdings
 from gpukit.gpus.select import Verdict, assess, best_first, no_gpu_error
+from gpukit.holders import user_name
+from gpukit.sharing.claims import Claim, claim, current_claims, shared_folder
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.lockfiles import open_folder, open_lock_file
+from gpukit.sharing.policy import Limits, Policy, gpu_uuids, holdings
+from gpukit.sharing.waiters import _SUFFIX, _TICKET_MODE, QUEUE, TICKET_SCHEMA, Queue, Waiter, _read
 from gpukit.untrusted import InvalidInput, open_regular
 
-__all__ = ["TICKET_SCHEMA", "Foreign", "Line", "Ticket", "Waiter", "read_line", "wait_and_claim"]
+__all__ = ["Ticket", "wait_and_claim"]
 
 # The line ignores a ticket whose record is over 64 KiB: a long command is cut, so that its
 # waiter keeps its place (JSON writes a character in up to 12 bytes: 4096 of them fit).
@@ -62,7 +53,7 @@ class Ticket:
     """This process's place in the line of waiters; :meth:`close` leaves the line.
 
     ``n``, ``criteria`` (default: any idle GPU) and ``command`` are recorded in the ticket for
-    ``gpukit queue``: the criteria as a sentence and as data (:mod:`gpukit.gpus.line`).
+    ``gpukit queue``: the criteria as a sentence and as data (:mod:`gpukit.sharing.waiters`).
 
     A ticket counts from when it became a live waiter, not from when it was named. A file can
     be named long before its creator locks it (which leaves its change time as it was), so on
@@ -80,7 +71,9 @@ class Ticket:
         criteria: Criteria | None = None,
         command: str | None = None,
     ) -> None:
-        self.queue = shared_dir(shared_dir(lock_dir() if folder is None else Path(folder)) / QUEUE)
+        self.queue = shared_folder(
+            shared_folder(lock_folder() if folder is None else Path(folder)) / QUEUE
+        )
         self._dir: int | None = open_folder(self.queue)
         name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
         uid = os.getuid()
@@ -181,13 +174,13 @@ class Ticket:
             except OSError:
                 os.close(fd)
 
-    def line(self) -> Line:
+    def read_queue(self) -> Queue:
         """The line as it stands now; tidies away this user's tickets whose waiters died."""
         if self._dir is None:
-            return Line()
+            return Queue()
         return _read(self._dir, self.queue, tidy=True)
 
-    def waiters_ahead(self, line: Line) -> list[Waiter]:
+    def waiters_ahead(self, line: Queue) -> list[Waiter]:
         """The waiters of ``line`` that were live waiters before this one joined.
 
         Ordered by the kernel's change time (then the name), as everyone orders the line; but
@@ -206,7 +199,7 @@ class Ticket:
 
     def ahead(self) -> int:
         """How many live waiters arrived before this one."""
-        return len(self.waiters_ahead(self.line()))
+        return len(self.waiters_ahead(self.read_queue()))
 
     def close(self) -> None:
         """Leave the line. Safe to call twice."""
@@ -257,7 +250,7 @@ def wait_and_claim(
     while its own user is at the limit.
     """
     policy = policy or Policy()
-    folder = lock_dir() if folder is None else Path(folder)
+    folder = lock_folder() if folder is None else Path(folder)
     inv = read()
     if sum(criteria.could_ever_qualify(g) for g in inv.gpus) < n:
         raise no_gpu_error(inv, n, criteria, assess(inv, criteria, current_claims(folder)))
@@ -280,7 +273,7 @@ def wait_and_claim(
             held = holdings(folder, gpus=gpu_uuids(inv)) if limits else {}
             ahead = sum(
                 policy.refusal(w.uid, w.n, held) is None
-                for w in ticket.waiters_ahead(ticket.line())
+                for w in ticket.waiters_ahead(ticket.read_queue())
             )
             limited = policy.refusal(uid, n, held)
             if ahead == 0 and limited is None and len(ready) >= n:

@@ -1,7 +1,7 @@
 """The ledger: every claim's start and end, appended to per-user files in the lock folder.
 
->>> from gpukit.gpus.ledger import read_runs
->>> [(r.user, r.gpus, r.exit_code) for r in read_runs(lock_dir())]    # doctest: +SKIP
+>>> from gpukit.sharing.ledger import read_runs
+>>> [(r.user, r.gpus, r.exit_code) for r in read_runs(lock_folder())]    # doctest: +SKIP
 [('alice', ('GPU-8d11...',), 0)]
 
 Records are JSON lines (schema ``gpukit.ledger/1``) in ``<lock folder>/ledger-<uid>.jsonl``, one
@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.errors import GpukitError, LockFolderError
-from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
+from gpukit.holders import user_name
+from gpukit.sharing.lockfiles import open_lock_file, opened_folder
 from gpukit.untrusted import (
     InvalidInput,
     as_dict,
@@ -315,7 +316,7 @@ def _file_lines(
         owner, size = info.st_uid, info.st_size
         left = budget.left(owner)
         if left <= 0:
-            return owner, [], f"{name} ({owner_name(owner)}) not read: past the bound of reading"
+            return owner, [], f"{name} ({user_name(owner)}) not read: past the bound of reading"
         offset = max(0, size - left)
         data = _read_at_most(fd, offset, min(size, left))
     finally:
@@ -325,7 +326,7 @@ def _file_lines(
     if offset:
         data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""  # from a whole line on
         note = (
-            f"{name} ({owner_name(owner)}) is {size} bytes: only its last {len(data)} were read, "
+            f"{name} ({user_name(owner)}) is {size} bytes: only its last {len(data)} were read, "
             "so its older claims are not counted"
         )
     return owner, data.split(b"\n"), note
@@ -378,7 +379,7 @@ def _indices(value: object) -> tuple[int, ...]:
 
 def _runs_of(owner: int, lines: Iterable[bytes]) -> tuple[list[Run], int]:
     """The runs that the lines of one file of ``owner`` hold, and how many lines were skipped."""
-    user = owner_name(owner)
+    user = user_name(owner)
     starts: dict[str, Run] = {}
     ends: dict[str, tuple[float, int | None]] = {}
     skipped = 0

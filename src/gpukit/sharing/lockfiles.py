@@ -31,7 +31,7 @@ file can therefore at worst make GPUs look claimed or free (deny GPUs, or let tw
 one, which they could do anyway by using the GPU directly); they can never make gpukit follow a
 link, write to, truncate or hang on anything else.
 
->>> from gpukit.gpus.lockfiles import open_lock_file
+>>> from gpukit.sharing.lockfiles import open_lock_file
 >>> fd = open_lock_file(folder, "GPU-....lock", write=True, create=True)  # doctest: +SKIP
 """
 
@@ -40,13 +40,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import pwd
 import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from gpukit.errors import LockFolderError, UnsafeLockFileError
+from gpukit.holders import user_name
 
 SHARED_DIR_MODE = 0o1777
 """World-writable with the sticky bit, like /tmp: everyone adds files, only owners remove them."""
@@ -64,14 +64,6 @@ _CREATE_TRIES = 100
 # A new lock file is private until its creator widens its mode: how long to wait for that.
 _WIDEN_TRIES = 10
 _WIDEN_WAIT_S = 0.005
-
-
-def owner_name(uid: int) -> str:
-    """``'alice'`` for a uid with an account, ``'uid 1234'`` otherwise."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def _kind(mode: int) -> str:
@@ -98,7 +90,7 @@ def _refused(path: Path, exc: OSError, doing: str) -> LockFolderError:
     if exc.errno in (errno.EACCES, errno.EPERM):
         owner = ""
         with contextlib.suppress(OSError):
-            owner = f" (owned by {owner_name(os.lstat(path).st_uid)})"
+            owner = f" (owned by {user_name(os.lstat(path).st_uid)})"
         return LockFolderError(
             f"Cannot {doing} {path}{owner}: permission denied.",
             hint="Set GPUKIT_LOCK_DIR to a folder you can write, or ask an administrator to "
@@ -134,7 +126,7 @@ def check_folder(info: os.stat_result, path: Path) -> None:
         return
     if mode & SHARED_DIR_MODE != SHARED_DIR_MODE:
         raise LockFolderError(
-            f"Refused the lock folder {path}: it belongs to {owner_name(info.st_uid)} with mode "
+            f"Refused the lock folder {path}: it belongs to {user_name(info.st_uid)} with mode "
             f"{mode:04o}, not shared the way gpukit shares it (1777: everyone may add files, "
             "only their owners may remove them).",
             hint="Set GPUKIT_LOCK_DIR to a folder of your own, or ask its owner to fix it; "
@@ -212,13 +204,13 @@ def _check_file(fd: int, path: Path) -> None:
     if not stat.S_ISREG(info.st_mode):
         raise UnsafeLockFileError(
             f"Refused to use {path}: it is {_kind(info.st_mode)} (owned by "
-            f"{owner_name(info.st_uid)}), not a lock file.",
+            f"{user_name(info.st_uid)}), not a lock file.",
             hint=_HELP,
         )
     if info.st_nlink != 1:
         raise UnsafeLockFileError(
             f"Refused to use {path}: it has {info.st_nlink} hard links, so it is also another "
-            f"file somewhere (owned by {owner_name(info.st_uid)}), perhaps one of yours.",
+            f"file somewhere (owned by {user_name(info.st_uid)}), perhaps one of yours.",
             hint=_HELP,
         )
 

@@ -6,7 +6,7 @@
 [2, 4]
 
 One lock file per GPU UUID in the machine's lock folder (:mod:`.lockdir`: ``GPUKIT_LOCK_DIR``,
-``lock_dir`` in ``/etc/gpukit/config.toml``, or ``/tmp/gpukit-locks``), locked with
+``lock_folder`` in ``/etc/gpukit/config.toml``, or ``/tmp/gpukit-locks``), locked with
 ``fcntl.flock``. Every user can write that folder, so every file in it is opened through
 :mod:`.lockfiles` (no links, no FIFOs, one link only) and every record read from it is
 untrusted data, checked field by field. The kernel drops a flock when the last
@@ -32,7 +32,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,10 +43,11 @@ from gpukit.errors import (
     LockFolderError,
     UnsafeLockFileError,
 )
-from gpukit.gpus import ledger
-from gpukit.gpus.flocks import exclusive_flocks, process_uid
-from gpukit.gpus.lockdir import LOCK_DIR_VAR, lock_dir
-from gpukit.gpus.lockfiles import open_folder, open_lock_file, opened_folder, owner_name
+from gpukit.holders import UNREADABLE, Holder, user_name
+from gpukit.sharing import ledger
+from gpukit.sharing.flocks import exclusive_flocks, process_uid
+from gpukit.sharing.lock_folder import LOCK_FOLDER_VAR, lock_folder
+from gpukit.sharing.lockfiles import open_folder, open_lock_file, opened_folder
 from gpukit.untrusted import (
     InvalidInput,
     as_dict,
@@ -59,7 +60,7 @@ from gpukit.untrusted import (
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import GPU
 
-__all__ = ["LOCK_DIR_VAR", "Claim", "Holder", "claim", "current_claims", "holder_of", "lock_dir"]
+__all__ = ["Claim", "claim", "current_claims", "holder_of", "shared_folder"]
 
 _T = TypeVar("_T")
 # A reader probing a lock holds it (shared) for microseconds; a claimer that meets such a probe
@@ -68,39 +69,7 @@ _CLAIM_TRIES = 5
 _CLAIM_RETRY_S = 0.01
 
 
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a claim, as recorded in its lock file."""
-
-    user: str | None
-    pid: int | None
-    host: str | None
-    command: str | None
-    since: float | None
-    """Unix time the claim was taken."""
-    problem: str | None = None
-    """Why the lock file could not be read (a link, a FIFO...): the GPU counts as taken."""
-
-    def describe(self) -> str:
-        """``'bob (pid 4242: python train.py)'``: for tables and error messages.
-
-        A lock held with a record that cannot be read names the holder the kernel reports:
-        ``'bob (pid 4242: python train.py), record unreadable'``.
-        """
-        known = self.problem == _UNREADABLE and (self.user, self.pid) != (None, None)
-        if self.problem and not known:
-            return f"? ({self.problem})"
-        who = self.user or "?"
-        command = f": {self.command[:40]}" if self.command else ""
-        text = f"{who} (pid {self.pid if self.pid is not None else '?'}{command})"
-        return f"{text}, {self.problem}" if self.problem else text
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict."""
-        return asdict(self)
-
-
-def shared_dir(path: Path) -> Path:
+def shared_folder(path: Path) -> Path:
     """Create ``path`` (if missing) so that every user can add files to it; return it.
 
     Raises LockFolderError when it cannot be created or does not fit the trust model.
@@ -118,9 +87,8 @@ def _lock_path(folder: Path, uuid: str) -> Path:
     return folder / f"{uuid}.lock"
 
 
-_UNREADABLE = "record unreadable"
 # Held, by someone whose record says nothing gpukit can use: empty, half-written, not ours.
-_NOBODY = Holder(None, None, None, None, None, problem=_UNREADABLE)
+_NOBODY = Holder(None, None, None, None, None, problem=UNREADABLE)
 _MAX_HOLDER = 64 * 1024
 # Lengths past which a field is cut: a record is shown in one table cell or one message.
 _TEXT_LIMITS = {"user": 64, "host": 255, "command": 500}
@@ -181,7 +149,7 @@ def _as_the_kernel_says(
         return holder
     if holder.pid in pids:
         uid = process_uid(holder.pid)  # None where /proc hides other users' processes
-        return holder if uid is None else replace(holder, user=owner_name(uid))
+        return holder if uid is None else replace(holder, user=user_name(uid))
     pid = min(pids)
     uid = process_uid(pid)
     try:
@@ -189,7 +157,7 @@ def _as_the_kernel_says(
             command = _text(f.read().replace(b"\0", b" ").decode(errors="replace").strip(), 500)
     except OSError:
         command = None
-    who = owner_name(uid) if uid is not None else None
+    who = user_name(uid) if uid is not None else None
     return Holder(who, pid, None, command, None, problem=holder.problem)
 
 
@@ -243,7 +211,7 @@ def current_claims(folder: Path | None = None) -> dict[str, Holder]:
     A missing lock folder holds no claims. Raises LockFolderError when the folder is refused
     (a link, another user's folder without the sticky bit): its claims cannot be trusted.
     """
-    folder = lock_dir() if folder is None else folder
+    folder = lock_folder() if folder is None else folder
     if not os.path.lexists(folder):
         return {}
     with opened_folder(folder) as dir_fd:
@@ -252,7 +220,7 @@ def current_claims(folder: Path | None = None) -> dict[str, Holder]:
         except OSError as exc:
             raise LockFolderError(
                 f"Cannot list the lock folder {folder}: {exc.strerror}.",
-                hint=f"Set {LOCK_DIR_VAR} to a folder every user of the GPUs can read.",
+                hint=f"Set {LOCK_FOLDER_VAR} to a folder every user of the GPUs can read.",
             ) from exc
         claims = {}
         table = functools.cache(exclusive_flocks)  # read once, and only if a lock is held
@@ -389,7 +357,7 @@ def claim(
         raise InvalidArgumentError(
             f"Cannot claim {', '.join(uuids)}: a GPU is listed twice.", hint="List each GPU once."
         )
-    folder = lock_dir() if folder is None else Path(folder)
+    folder = lock_folder() if folder is None else Path(folder)
     record = _record(command)
     fds: dict[str, int] = {}
     taken: list[str] = []

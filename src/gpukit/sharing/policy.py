@@ -19,7 +19,7 @@ malformed (unknown keys, wrong types) is refused too, rather than guessed at. A
 files to, honouring it would let any co-user stop every claim, so it is ignored and
 :attr:`Policy.ignored` says why (``gpukit run`` prints it).
 
-What a user holds is counted from the kernel's lock table (:mod:`gpukit.gpus.flocks`): each
+What a user holds is counted from the kernel's lock table (:mod:`gpukit.sharing.flocks`): each
 claimed GPU counts for the user running the process that holds its lock, whatever the lock
 file's record says, and each locked file counts once, only as a GPU or MIG instance NVML
 reports, however many names others give it (:func:`holdings`). Like claims themselves,
@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpukit.errors import NoDriverError, NvmlError, PolicyError
-from gpukit.gpus.claims import current_claims, lock_dir
-from gpukit.gpus.flocks import exclusive_flocks, process_uid
-from gpukit.gpus.lockfiles import open_folder
-from gpukit.gpus.lockfiles import owner_name as user_name
+from gpukit.holders import user_name
+from gpukit.sharing.claims import current_claims
+from gpukit.sharing.flocks import exclusive_flocks, process_uid
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.lockfiles import open_folder
 from gpukit.untrusted import InvalidInput, open_regular, parse_toml, read_bounded
 
 if TYPE_CHECKING:
@@ -61,7 +62,6 @@ __all__ = [
     "gpu_uuids",
     "holdings",
     "load_policy",
-    "user_name",
 ]
 
 
@@ -153,12 +153,12 @@ def _shown(value: object) -> str:
 
 
 def load_policy(folder: Path | None = None) -> Policy:
-    """The policy of the lock folder ``folder`` (default: :func:`~gpukit.gpus.claims.lock_dir`).
+    """The policy of the lock folder ``folder`` (default: the machine's, :func:`.lock_folder`).
 
     No ``policy.toml`` means no limits. Raises PolicyError for an administrator's file that is
     unsafe or malformed; another user's file is ignored (see :attr:`Policy.ignored`).
     """
-    folder = lock_dir() if folder is None else Path(folder)
+    folder = lock_folder() if folder is None else Path(folder)
     if not os.path.lexists(folder):
         return Policy()  # no lock folder yet: no one has set a policy in it
     folder_fd = open_folder(folder)
@@ -243,7 +243,7 @@ def holdings(
 
     Where the kernel publishes no lock table, the claims' own records say who holds them.
     """
-    folder = lock_dir() if folder is None else Path(folder)
+    folder = lock_folder() if folder is None else Path(folder)
     table = exclusive_flocks()
     known = None if gpus is None else frozenset(gpus)
     if table is None:

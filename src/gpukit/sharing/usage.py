@@ -1,6 +1,6 @@
 """GPU time per user from the ledger, for ``gpukit usage``.
 
->>> from gpukit.gpus.usage import usage
+>>> from gpukit.sharing.usage import usage
 >>> for user in usage(since=time.time() - 7 * 86400).users:     # doctest: +SKIP
 ...     print(user.user, round(user.gpu_seconds / 3600, 1), user.runs)
 alice 41.5 12
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpukit.gpus.claims import current_claims, lock_dir
-from gpukit.gpus.ledger import Ledger, Run, read_ledger
+from gpukit.sharing.claims import current_claims
+from gpukit.sharing.ledger import Ledger, Run, read_ledger
+from gpukit.sharing.lock_folder import lock_folder
 
 SCHEMA = "gpukit.usage/1"
 """The ``schema`` field of :meth:`Usage.to_json`."""
@@ -89,13 +90,13 @@ def _owner_of_process(pid: int) -> int | None:
 
 
 def held_ledger(folder: Path | None = None) -> Ledger:
-    """The ledger (:func:`~gpukit.gpus.ledger.read_ledger`) with ``held`` set for claims held now.
+    """The ledger (:func:`.read_ledger`) with ``held`` set for the claims held now.
 
     A claim counts as held when a lock file names its pid and start, and that pid is alive and
     belongs to the claim's user: lock records are written by whoever holds the lock, so a
     record alone cannot keep another user's finished run counting.
     """
-    base = lock_dir() if folder is None else folder
+    base = lock_folder() if folder is None else folder
     live = {(h.pid, h.since) for h in current_claims(base).values() if h.pid is not None}
     ledger = read_ledger(base, live)
     runs = tuple(

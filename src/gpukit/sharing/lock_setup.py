@@ -33,19 +33,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpukit.errors import LockFolderError
-from gpukit.gpus.lockdir import ADMIN_LOCK_DIR, config_path, read_config
-from gpukit.gpus.lockfiles import (
+from gpukit.holders import user_name
+from gpukit.sharing.lock_folder import ADMIN_LOCK_FOLDER, config_path, read_config
+from gpukit.sharing.lockfiles import (
     SHARED_DIR_MODE,
     SHARED_FILE_MODE,
     open_folder,
     open_lock_file,
     opened_folder,
-    owner_name,
 )
 from gpukit.untrusted import printable
 
 QUEUE = "queue"
-"""The subfolder of the line of waiters (:mod:`gpukit.gpus.waiting`)."""
+"""The subfolder of the line of waiters (:mod:`gpukit.sharing.tickets`)."""
 
 
 @dataclass
@@ -69,9 +69,9 @@ def _check_parent(info: os.stat_result, path: Path) -> None:
     if info.st_uid != 0 or (mode & 0o022 and not mode & stat.S_ISVTX):
         raise LockFolderError(
             f"Refused to set up a lock folder in {path}: it belongs to "
-            f"{owner_name(info.st_uid)} with mode {mode:04o}, so another user could replace "
+            f"{user_name(info.st_uid)} with mode {mode:04o}, so another user could replace "
             "the lock folder later.",
-            hint=f"Choose a place only root controls, such as {ADMIN_LOCK_DIR}.",
+            hint=f"Choose a place only root controls, such as {ADMIN_LOCK_FOLDER}.",
         )
 
 
@@ -88,15 +88,15 @@ def _not_a_folder(dir_fd: int, name: str, path: Path, folder: Path) -> LockFolde
             target = "?"
         return LockFolderError(
             f"Refused to set up the lock folder {folder}: {path} is a symbolic link (to "
-            f"{target}, made by {owner_name(info.st_uid)}), so the path the config names could "
+            f"{target}, made by {user_name(info.st_uid)}), so the path the config names could "
             "be made to lead to another folder later.",
             hint="Name the folder by a path without links, such as "
-            f"{ADMIN_LOCK_DIR} (`readlink -f {path}` shows where the link leads; use that "
+            f"{ADMIN_LOCK_FOLDER} (`readlink -f {path}` shows where the link leads; use that "
             "place only if root owns every folder on the way).",
         )
     return LockFolderError(
         f"Refused to set up the lock folder {folder}: {path} is not a folder.",
-        hint=f"Choose a path whose parents are folders, such as {ADMIN_LOCK_DIR}.",
+        hint=f"Choose a path whose parents are folders, such as {ADMIN_LOCK_FOLDER}.",
     )
 
 
@@ -173,7 +173,7 @@ def _make_root_folder(folder: Path) -> None:
         owner = os.fstat(fd).st_uid
         if owner != 0:
             raise LockFolderError(
-                f"Refused to take over {folder}: it belongs to {owner_name(owner)}, who may have "
+                f"Refused to take over {folder}: it belongs to {user_name(owner)}, who may have "
                 "put anything in it.",
                 hint="Remove it (or choose another path) and run `gpukit setup-locks` again.",
             )
@@ -224,7 +224,7 @@ def _write_config(path: Path, folder: Path) -> None:
 
 
 def setup_lock_dir(
-    folder: Path = ADMIN_LOCK_DIR,
+    folder: Path = ADMIN_LOCK_FOLDER,
     *,
     uuids: Iterable[str] = (),
     config: Path | None = None,
@@ -233,7 +233,7 @@ def setup_lock_dir(
     """Set up ``folder`` as the machine's root-owned lock folder (see the module docstring).
 
     ``uuids`` are the GPUs (and MIG instances) to make lock files for; ``config`` is the config
-    file (default :func:`~gpukit.gpus.lockdir.config_path`). Must run as root. Raises
+    file (default :func:`~gpukit.sharing.lock_folder.config_path`). Must run as root. Raises
     LockFolderError, having changed nothing unsafe, when a step is refused.
     """
     if os.geteuid() != 0:
@@ -244,11 +244,11 @@ def setup_lock_dir(
         )
     if not folder.is_absolute():
         raise LockFolderError(
-            f"{folder} is not an absolute path.", hint=f"Use e.g. {ADMIN_LOCK_DIR}."
+            f"{folder} is not an absolute path.", hint=f"Use e.g. {ADMIN_LOCK_FOLDER}."
         )
     folder = Path(os.path.normpath(folder))
     if folder == Path("/"):
-        raise LockFolderError("/ cannot be the lock folder.", hint=f"Use e.g. {ADMIN_LOCK_DIR}.")
+        raise LockFolderError("/ cannot be the lock folder.", hint=f"Use e.g. {ADMIN_LOCK_FOLDER}.")
     config = config_path() if config is None else config
     report = SetupReport(folder, config if write_config else None)
     try:
@@ -271,7 +271,7 @@ def setup_lock_dir(
             if os.fstat(queue_fd).st_uid != 0:
                 raise LockFolderError(
                     f"Refused {folder / QUEUE}: it belongs to "
-                    f"{owner_name(os.fstat(queue_fd).st_uid)}.",
+                    f"{user_name(os.fstat(queue_fd).st_uid)}.",
                     hint="Remove it and run `gpukit setup-locks` again.",
                 )
             os.fchmod(queue_fd, SHARED_DIR_MODE)

@@ -6,12 +6,12 @@ folder, so the location never depends on per-user settings such as ``TMPDIR``. I
 1. ``GPUKIT_LOCK_DIR``, an explicit override for one process (tests, or a group of users that
    agrees on its own folder). ``gpukit list`` and ``gpukit info`` warn when it differs from the
    machine's folder, since claims in one folder are invisible from the other.
-2. ``lock_dir`` in the machine's config file, ``/etc/gpukit/config.toml`` (``GPUKIT_CONFIG``
+2. ``lock_folder`` in the machine's config file, ``/etc/gpukit/config.toml`` (``GPUKIT_CONFIG``
    names another file), which ``sudo gpukit setup-locks`` writes::
 
        lock_dir = "/var/lib/gpukit/locks"
 
-3. :data:`DEFAULT_LOCK_DIR`, ``/tmp/gpukit-locks``: no setup needed, created on first use,
+3. :data:`DEFAULT_LOCK_FOLDER`, ``/tmp/gpukit-locks``: no setup needed, created on first use,
    shared by every user (mode 1777), and held to the trust model of :mod:`.lockfiles`.
 
 The config file is trusted only when root or the current user owns it and nobody else can
@@ -27,21 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.errors import LockFolderError
-from gpukit.gpus.lockfiles import owner_name
+from gpukit.holders import user_name
 from gpukit.untrusted import InvalidInput, open_regular, parse_toml, read_bounded
 
-LOCK_DIR_VAR = "GPUKIT_LOCK_DIR"
+LOCK_FOLDER_VAR = "GPUKIT_LOCK_DIR"
 CONFIG_VAR = "GPUKIT_CONFIG"
 DEFAULT_CONFIG = Path("/etc/gpukit/config.toml")
-DEFAULT_LOCK_DIR = Path("/tmp/gpukit-locks")
+DEFAULT_LOCK_FOLDER = Path("/tmp/gpukit-locks")
 """Fixed, not ``tempfile.gettempdir()``: ``TMPDIR`` differs between users and jobs."""
-ADMIN_LOCK_DIR = Path("/var/lib/gpukit/locks")
+ADMIN_LOCK_FOLDER = Path("/var/lib/gpukit/locks")
 """Where ``gpukit setup-locks`` puts a lock folder only root controls."""
 _MAX_CONFIG_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class LockDirChoice:
+class LockFolderChoice:
     """The lock folder this process uses, where that choice comes from, and the machine's."""
 
     path: Path
@@ -62,7 +62,7 @@ class LockDirChoice:
         if not self.overridden:
             return None
         return (
-            f"{LOCK_DIR_VAR}={self.path} is not this machine's lock folder {self.machine} "
+            f"{LOCK_FOLDER_VAR}={self.path} is not this machine's lock folder {self.machine} "
             f"({self.machine_source}): claims made here are invisible to gpukit processes that "
             "use the machine's folder, and theirs to this one, so two jobs can get one GPU."
         )
@@ -121,7 +121,7 @@ def read_config(path: Path | None = None) -> dict[str, Any]:
         info = os.fstat(fd)
         if info.st_uid not in (0, os.geteuid()) or info.st_mode & 0o022:
             raise LockFolderError(
-                f"Refused the gpukit config {path}: it belongs to {owner_name(info.st_uid)} "
+                f"Refused the gpukit config {path}: it belongs to {user_name(info.st_uid)} "
                 f"with mode {stat.S_IMODE(info.st_mode):04o}, so another user could have "
                 "written it.",
                 hint=f"An administrator should make it root's and not writable by others "
@@ -139,36 +139,36 @@ def read_config(path: Path | None = None) -> dict[str, Any]:
         os.close(fd)
 
 
-def machine_lock_dir() -> tuple[Path, str]:
+def machine_lock_folder() -> tuple[Path, str]:
     """The machine's lock folder and where it comes from (the config file, or ``'default'``)."""
     path = config_path()
     value = read_config(path).get("lock_dir")
     if value is None:
-        return DEFAULT_LOCK_DIR, "default"
+        return DEFAULT_LOCK_FOLDER, "default"
     if not isinstance(value, str):
         raise LockFolderError(
             f"lock_dir in {path} is {value!r}, not a path in quotes.",
-            hint=f'Write it as `lock_dir = "{ADMIN_LOCK_DIR}"`.',
+            hint=f'Write it as `lock_dir = "{ADMIN_LOCK_FOLDER}"`.',
         )
     return _absolute(value, f"lock_dir in {path}"), str(path)
 
 
-def lock_dir_choice() -> LockDirChoice:
+def lock_folder_choice() -> LockFolderChoice:
     """Which lock folder this process uses and why (see the module docstring for the order)."""
-    machine, machine_source = machine_lock_dir()
-    override = os.environ.get(LOCK_DIR_VAR)
+    machine, machine_source = machine_lock_folder()
+    override = os.environ.get(LOCK_FOLDER_VAR)
     if override:
-        path = _absolute(override, LOCK_DIR_VAR)
-        return LockDirChoice(path, LOCK_DIR_VAR, machine, machine_source)
-    return LockDirChoice(machine, machine_source, machine, machine_source)
+        path = _absolute(override, LOCK_FOLDER_VAR)
+        return LockFolderChoice(path, LOCK_FOLDER_VAR, machine, machine_source)
+    return LockFolderChoice(machine, machine_source, machine, machine_source)
 
 
-def lock_dir() -> Path:
+def lock_folder() -> Path:
     """The lock folder this process uses: ``GPUKIT_LOCK_DIR``, the config's, or the default.
 
     An override is used without reading the config file (only the warning needs it).
     """
-    override = os.environ.get(LOCK_DIR_VAR)
+    override = os.environ.get(LOCK_FOLDER_VAR)
     if override:
-        return _absolute(override, LOCK_DIR_VAR)
-    return machine_lock_dir()[0]
+        return _absolute(override, LOCK_FOLDER_VAR)
+    return machine_lock_folder()[0]

@@ -1,13 +1,13 @@
 """How the GPUs of this machine are shared right now: holders, waiters, unclaimed and idle use.
 
->>> from gpukit.gpus.sharing import sharing
+>>> from gpukit.sharing.report import sharing
 >>> now = sharing()                                             # doctest: +SKIP
 >>> [(w.position, w.user, w.reason) for w in now.waiters]       # doctest: +SKIP
 [(1, 'bob', '1 of 2 GPUs qualify'), (2, 'carol', 'behind position 1')]
 
 What ``gpukit queue`` shows. Never imports torch.
 
-- Holders come from the claims' lock files as :func:`~gpukit.gpus.claims.current_claims`
+- Holders come from the claims' lock files as :func:`~gpukit.sharing.claims.current_claims`
   reads them, checked against the kernel's lock table (``/proc/locks``): where another process
   than the record names holds a lock, that process is shown. The user shown is the owner of the
   holder's process as the kernel reports it, named as everywhere in gpukit (``'uid 54321'`` for
@@ -38,13 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from gpukit.errors import GpukitError
-from gpukit.gpus import waiting
-from gpukit.gpus.claims import Holder, current_claims, lock_dir
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.line import Foreign, Waiter
-from gpukit.gpus.lockfiles import open_lock_file, opened_folder, owner_name
-from gpukit.gpus.policy import holdings, load_policy
 from gpukit.gpus.select import assess
+from gpukit.holders import Holder, user_name
+from gpukit.sharing import waiters
+from gpukit.sharing.claims import current_claims
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.lockfiles import open_lock_file, opened_folder
+from gpukit.sharing.policy import holdings, load_policy
+from gpukit.sharing.waiters import Foreign, Waiter
 from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, read_bounded
 
 SCHEMA = "gpukit.queue/1"
@@ -124,7 +126,7 @@ class Sharing:
     foreign: tuple[Foreign, ...] = ()
     """Entries of the queue folder that are no live waiter's ticket, and why (links, FIFOs,
     forged or abandoned tickets): what a co-user may have planted there. The first
-    :data:`~gpukit.gpus.line.MOST_FOREIGN` by name."""
+    :data:`~gpukit.sharing.waiters.MOST_FOREIGN` by name."""
     foreign_not_listed: int = 0
     """How many more such entries the queue folder holds, beyond those in ``foreign``."""
 
@@ -298,7 +300,7 @@ def _observations_name(folder: Path, dir_fd: int) -> str | None:
             continue
         if stat.S_ISREG(info.st_mode) and info.st_uid == uid and info.st_nlink == 1:
             break
-        taken.append(f"{name} ({owner_name(info.st_uid)}'s)")
+        taken.append(f"{name} ({user_name(info.st_uid)}'s)")
     else:
         warnings.warn(
             f"Cannot keep this user's readings of idle claims in {folder}: every name for them is "
@@ -400,11 +402,11 @@ def sharing(
     ``observe`` records this reading of which claims are idle, so that a later call can tell
     how long they have been (see the module's notes).
     """
-    base = lock_dir() if folder is None else folder
+    base = lock_folder() if folder is None else folder
     inv = inventory() if inv is None else inv
     # The line first, then the claims: a waiter leaves the line only once it holds its claim,
     # so read in this order, each process that waits or holds shows in one list at least.
-    read = waiting.read_line(base)
+    read = waiters.read_queue(base)
     claims = current_claims(base)
     held = _holders(claims, inv)
     return Sharing(
