@@ -510,7 +510,7 @@ def test_a_refused_claim_names_every_taken_gpu_and_leaves_no_file_open() -> None
 
 
 def test_a_claim_lost_to_a_holder_that_then_died_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(claims, "_acquire", lambda *args: None)
+    monkeypatch.setattr(claims, "_lock_one", lambda *args: None)
     with pytest.raises(ClaimError) as caught:
         claim([UUID_A])
     assert caught.value.message == (

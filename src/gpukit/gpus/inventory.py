@@ -394,7 +394,12 @@ def _cuda_version(value: int | None) -> str | None:
 def inventory() -> Inventory:
     """Read every GPU from NVML: memory, load, temperature, power, processes, MIG instances.
 
-    Raises :class:`~gpukit.errors.NoDriverError` when there is no NVIDIA driver or NVML.
+    Raises:
+        NoDriverError: no NVIDIA driver, or no NVML (the nvidia-ml-py package), on this
+            machine (exit 3).
+        NvmlError: NVML started but could not list the GPUs.
+        InvalidArgumentError: ``GPUKIT_FAKE_NVML`` names a machine description gpukit
+            refuses (exit 2).
     """
     start = time.perf_counter()
     nvml, source = _session()

@@ -224,6 +224,10 @@ def visible_devices(inventory: Inventory | None = None) -> VisibleDevices:
     """What CUDA will show this process, matched to the machine's GPUs (read from NVML).
 
     Without an NVIDIA driver, ``devices`` is ``None`` and only the parsed entries are given.
+
+    Raises:
+        NvmlError: NVML started but could not read the GPUs.
+        InvalidArgumentError: ``GPUKIT_FAKE_NVML`` names a machine description gpukit refuses.
     """
     if inventory is None:
         from gpukit.gpus.inventory import inventory as read_inventory
@@ -238,7 +242,12 @@ def visible_devices(inventory: Inventory | None = None) -> VisibleDevices:
 def physical_index(i: int, inventory: Inventory | None = None) -> int:
     """The NVML (nvidia-smi) index of the GPU this process calls ``cuda:i``.
 
-    For a MIG instance, the index of the GPU it belongs to. Raises NoDriverError without NVML.
+    For a MIG instance, the index of the GPU it belongs to.
+
+    Raises:
+        InvalidArgumentError: ``i`` is not a whole number.
+        VisibleDevicesError: this process sees no ``cuda:i`` (the message lists what it sees).
+        NoDriverError: no NVIDIA driver or NVML to map it with (exit 3).
     """
     from gpukit.gpus.inventory import inventory as read_inventory
 
@@ -335,13 +344,17 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
     """Make only ``ids`` visible to CUDA in this process, numbered in PCI (nvidia-smi) order.
 
     Sets CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, so integer ids mean what
-    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once the CUDA
-    driver has started in this process, by any route (``torch.cuda.is_available()`` starts it
-    while ``torch.cuda.is_initialized()`` stays False), where CUDA would silently ignore the
-    change.
+    nvidia-smi shows. Returns the value set.
 
     >>> set_visible_devices("GPU-6513270e")       # a UUID, or a unique prefix of one
     'GPU-6513270e'
+
+    Raises:
+        CudaAlreadyInitializedError: the CUDA driver has started in this process, by any
+            route (``torch.cuda.is_available()`` starts it while ``torch.cuda.is_initialized()``
+            stays False), so CUDA would silently ignore the change.
+        VisibleDevicesError: an id is no GPU index, UUID or GPU, one is listed twice, or
+            indices and UUIDs are mixed (CUDA would ignore part of the list).
     """
     if isinstance(ids, (int, str)):
         items: list[object] = [p for p in str(ids).split(",") if p.strip()]

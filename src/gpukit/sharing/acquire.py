@@ -37,7 +37,7 @@ POLL_VAR = "GPUKIT_POLL_INTERVAL"
 """Seconds between two readings of the GPUs while waiting, when ``poll`` is not given."""
 _DEFAULT_POLL = 2.0
 # Another process may claim a GPU between reading the claims and locking it: read again.
-_CLAIM_TRIES = 3
+_PICK_TRIES = 3
 
 
 def _seconds(
@@ -110,6 +110,10 @@ class GpuRequest:
 
     >>> GpuRequest.make(2, min_free="20GiB", timeout=3600).wait
     True
+
+    Raises:
+        InvalidArgumentError: a field is refused: ``n``, the criteria, ``order``, ``settle``,
+            ``poll``, ``timeout``, or a switch that is not a bool (exit 2).
     """
 
     n: int = 1
@@ -211,14 +215,22 @@ def acquire(
     chosen from, unless ``all_gpus``. The arguments make one :class:`GpuRequest`, checked
     once, which :func:`acquire_request` carries out.
 
-    Raises InvalidArgumentError for bad arguments (an ``exclude`` naming a GPU the machine
-    does not have included), UserLimitError (exit 4) when this user already holds their share,
-    PolicyError (exit 5) for a policy file gpukit refuses, LockFolderError (exit 5) for a lock
-    folder it refuses or cannot write, NoDriverError (exit 3) without NVML.
-
     >>> held = acquire(1, max_util=10)                     # doctest: +SKIP
     >>> held.indices, held.release()                       # doctest: +SKIP
     ([3], None)
+
+    Raises:
+        NoGpuAvailableError: without ``wait``, too few GPUs qualify now; with it, too few
+            could ever qualify (exit 4).
+        WaitTimeoutError: waited ``timeout`` seconds in vain (exit 124).
+        UserLimitError: this user already holds their share, or may never hold ``n`` (exit 4).
+        ClaimError: other processes kept claiming the chosen GPUs first.
+        InvalidArgumentError: a bad argument, an ``exclude`` naming a GPU the machine does not
+            have included (exit 2).
+        VisibleDevicesError: the grant cannot be mapped to the machine's GPUs exactly.
+        NoDriverError: no NVIDIA driver or NVML (exit 3).
+        LockFolderError: the lock folder is refused or cannot be written (exit 5).
+        PolicyError: the lock folder's policy file is refused (exit 5).
     """
     request = GpuRequest.make(
         n,
@@ -253,7 +265,18 @@ def acquire_request(
     (default :func:`.lock_folder`) and ``policy`` its policy, already loaded
     from it (default :func:`~gpukit.sharing.policy.load_policy`). The request is not checked
     again; only what needs the machine is (an ``exclude`` naming no GPU of it, the grant).
-    Raises what :func:`acquire` raises.
+
+    Raises:
+        NoGpuAvailableError: too few GPUs qualify now (without ``wait``) or could ever
+            (exit 4).
+        WaitTimeoutError: waited the request's ``timeout`` in vain (exit 124).
+        UserLimitError: this user already holds their share, or may never hold ``n`` (exit 4).
+        ClaimError: other processes kept claiming the chosen GPUs first.
+        InvalidArgumentError: the request's ``exclude`` names a GPU this machine does not have.
+        VisibleDevicesError: the grant cannot be mapped to the machine's GPUs exactly.
+        NoDriverError: no NVIDIA driver or NVML, when ``machine`` is read here (exit 3).
+        LockFolderError: the lock folder is refused or cannot be written (exit 5).
+        PolicyError: the lock folder's policy file is refused, when read here (exit 5).
 
     >>> request = GpuRequest.make(2, min_free="20GiB")     # doctest: +SKIP
     >>> with acquire_request(request, command="train") as held: ...   # doctest: +SKIP
@@ -291,14 +314,14 @@ def acquire_request(
         raise _no_gpu_error(inv, n, criteria, verdicts)
     check_user_limit(n, policy)
     limits = policy.limits != Limits()
-    for attempt in range(_CLAIM_TRIES):
+    for attempt in range(_PICK_TRIES):
         if attempt:
             verdicts = assess(inv, criteria, current_claims(folder))
         gpus = _best(inv, n, criteria, request.order, verdicts)
         try:
             held = claim(gpus, command=command, folder=folder)
         except ClaimError:
-            if attempt + 1 == _CLAIM_TRIES:
+            if attempt + 1 == _PICK_TRIES:
                 raise
             continue
         # Another process of this user may have claimed at the same moment: never past the

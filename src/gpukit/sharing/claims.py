@@ -65,8 +65,8 @@ __all__ = ["Claim", "claim", "current_claims", "holder_of", "shared_folder"]
 _T = TypeVar("_T")
 # A reader probing a lock holds it (shared) for microseconds; a claimer that meets such a probe
 # tries again before concluding that the GPU is taken.
-_CLAIM_TRIES = 5
-_CLAIM_RETRY_S = 0.01
+_LOCK_TRIES = 5
+_LOCK_RETRY_S = 0.01
 
 
 def shared_folder(path: Path) -> Path:
@@ -318,18 +318,18 @@ class Claim:
         return f"Claim({', '.join(self.uuids) or '-'}, {state})"
 
 
-def _acquire(folder: Path, dir_fd: int, name: str, record: bytes) -> int | None:
+def _lock_one(folder: Path, dir_fd: int, name: str, record: bytes) -> int | None:
     fd = open_lock_file(folder, name, dir_fd=dir_fd, write=True, create=True)
     try:
-        for attempt in range(_CLAIM_TRIES):
+        for attempt in range(_LOCK_TRIES):
             if _try_lock(fd, fcntl.LOCK_EX):
                 # Record first, then trim: a reader sees the old record or the new one, never "".
                 os.pwrite(fd, record, 0)
                 os.ftruncate(fd, len(record))
                 return fd
-            if attempt + 1 < _CLAIM_TRIES and _holder_in(folder, name, dir_fd) is not None:
+            if attempt + 1 < _LOCK_TRIES and _holder_in(folder, name, dir_fd) is not None:
                 break  # a real holder, not a passing probe
-            time.sleep(_CLAIM_RETRY_S)
+            time.sleep(_LOCK_RETRY_S)
     except OSError as exc:
         os.close(fd)
         raise LockFolderError(
@@ -347,9 +347,14 @@ def claim(
     """Hold ``gpus`` (GPUs or UUIDs) for this process, or raise ClaimError naming their holders.
 
     All or nothing: when one GPU is held by another process, none is claimed. ``command`` is
-    recorded for ``gpukit list`` (default: this process's command line). Raises
-    LockFolderError (exit code 5) when the lock folder or a lock file in it cannot be used or
-    is refused (:mod:`.lockfiles`); nothing is claimed then either.
+    recorded for ``gpukit list`` (default: this process's command line).
+
+    Raises:
+        ClaimError: another process holds one of the GPUs (the message names each holder);
+            nothing is claimed.
+        InvalidArgumentError: an item is no GPU or GPU-/MIG- UUID, or a GPU is listed twice.
+        LockFolderError: the lock folder or a lock file in it cannot be used or is refused
+            (:mod:`.lockfiles`; exit 5); nothing is claimed then either.
     """
     items = tuple(gpus)
     uuids = [_uuid_of(g) for g in items]
@@ -365,7 +370,7 @@ def claim(
         try:
             for uuid in uuids:
                 name = _lock_path(folder, uuid).name
-                fd = _acquire(folder, dir_fd, name, record)
+                fd = _lock_one(folder, dir_fd, name, record)
                 if fd is None:
                     holder = _holder_in(folder, name, dir_fd)
                     who = holder.describe() if holder else "a process now gone"

@@ -51,12 +51,22 @@ def pick(
     given); ``exclude``: NVML indices or UUIDs; ``order``: ``"free"``, ``"util"`` or ``"index"``.
     GPUs claimed by other gpukit processes never qualify. ``inventory`` and ``claims`` default to
     the machine's readings now; when ``claims`` is read here, the lock folder's policy
-    (:mod:`gpukit.sharing.policy`) applies too. Raises NoGpuAvailableError explaining each
-    rejection (UserLimitError when the user already holds their share), and
-    InvalidArgumentError when ``exclude`` names a GPU the machine does not have.
+    (:mod:`gpukit.sharing.policy`) applies too.
 
     >>> gpus = pick(2, min_free="20GiB")                  # doctest: +SKIP
-    >>> with claim(gpus): ...                             # doctest: +SKIP
+    >>> with gk.claim(gpus): ...                          # doctest: +SKIP
+
+    Raises:
+        NoGpuAvailableError: fewer than ``n`` GPUs qualify; the message explains each
+            rejection (exit 4).
+        UserLimitError: this user already holds their share under the policy (exit 4).
+        InvalidArgumentError: a criterion or ``order`` is refused, or ``exclude`` names a GPU
+            the machine does not have (exit 2).
+        VisibleDevicesError: the grant (``CUDA_VISIBLE_DEVICES``, Slurm's) cannot be mapped
+            to the machine's GPUs exactly.
+        NoDriverError: no NVIDIA driver or NVML to read the GPUs from (exit 3).
+        LockFolderError: the lock folder is refused (exit 5).
+        PolicyError: the lock folder's policy.toml is refused (exit 5).
     """
     criteria = Criteria.make(
         min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
