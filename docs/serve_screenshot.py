@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1280)
     args = parser.parse_args()
     os.environ["GPUKIT_FAKE_NVML"] = str(
-        ROOT / "tests" / "fixtures" / "machines" / "server-8xA100-shared.json"
+        ROOT / "src" / "gpukit" / "gpus" / "machines" / "server-8xA100-shared.json"
     )
     with tempfile.TemporaryDirectory() as locks:
         os.environ["GPUKIT_LOCK_DIR"] = locks

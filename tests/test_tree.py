@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import gpukit as gk
 from gpukit import _tree
 from gpukit.errors import InvalidArgumentError
-from tests.refcycles import cyclic_garbage
+from tests.helpers.refcycles import cyclic_garbage
 
 Point = namedtuple("Point", ["x", "y"])
 

@@ -10,7 +10,7 @@ import pytest
 
 from gpukit.gpus.inventory import inventory
 from gpukit.sharing.claims import claim
-from tests.conftest import CliRunner
+from tests.helpers import CliRunner
 
 A100 = "server-8xA100-shared"  # 8 alike GPUs; only 2 and 4 idle
 

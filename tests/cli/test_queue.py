@@ -19,12 +19,12 @@ import pytest
 
 from gpukit.sharing.report import SCHEMA
 from gpukit.sharing.usage import held_runs
+from tests.helpers import MACHINES, ROOT
 
 if TYPE_CHECKING:
-    from tests.conftest import CliRunner
+    from tests.helpers import CliRunner
 
-ROOT = Path(__file__).resolve().parents[2]
-L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
+L4 = MACHINES / "server-4xL4-idle.json"
 NOBODY = 65534
 
 

@@ -19,9 +19,8 @@ import pytest
 from gpukit.cli.run import _Status, ddp_command
 from gpukit.sharing.claims import claim, current_claims
 from gpukit.sharing.ledger import ledger_name
-from tests.conftest import ROOT, CliRunner
+from tests.helpers import MACHINES, ROOT, CliRunner
 
-MACHINES = ROOT / "tests" / "fixtures" / "machines"
 L4 = MACHINES / "server-4xL4-idle.json"
 T4 = MACHINES / "kaggle-2xT4-idle.json"
 FAST = ("--poll", "0.05", "--settle", "1")

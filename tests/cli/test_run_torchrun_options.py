@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gpukit.cli.run import RESTART_STORE_VAR, ddp_command, ddp_env
-from tests.conftest import CliRunner, run_python
+from tests.helpers import ROOT, CliRunner, run_python
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "distributed_scripts"
+SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 
 
 def test_torchrun_options_follow_gpukits_so_that_they_win() -> None:
