@@ -12,7 +12,8 @@ What ``gpukit queue`` shows. Never imports torch.
   than the record names holds a lock, that process is shown. The user shown is the owner of the
   holder's process as the kernel reports it, named as everywhere in gpukit (``'uid 54321'`` for
   a uid without an account).
-- Waiters come from the line of waiters, in service order, each with why it is not served yet.
+- Waiters come from the queue (:func:`~gpukit.sharing.waiters.read_queue`), in service order,
+  each with why it is not served yet.
 - Unclaimed use: a process NVML sees on a GPU that no claim of that GPU covers. A claim covers
   its holder and the holder's descendants (``/proc/<pid>/stat`` parents), since ``gpukit run``
   holds the claim while the command it starts uses the GPU.
@@ -71,7 +72,7 @@ class HeldClaim:
 
 @dataclass(frozen=True)
 class Waiting:
-    """One waiter in the line, in service order."""
+    """One waiter in the queue, in service order."""
 
     position: int
     """1 = served next."""

@@ -1,6 +1,7 @@
-"""Waiting for GPUs: a first-come first-served line of waiters that no co-user can jump or jam.
+"""Joining the queue for GPUs with a ticket: first come, first served, and no co-user can jump or
+jam it.
 
-How the line is read, and why no co-user can jump or jam it: :mod:`gpukit.sharing.waiters`.
+How the queue is read, and why no co-user can jump or jam it: :mod:`gpukit.sharing.waiters`.
 
 Nothing here imports torch.
 """
@@ -33,7 +34,15 @@ from gpukit.sharing.claims import Claim, claim, current_claims, shared_folder
 from gpukit.sharing.lock_folder import lock_folder
 from gpukit.sharing.lockfiles import open_folder, open_lock_file
 from gpukit.sharing.policy import Limits, Policy, gpu_uuids, holdings
-from gpukit.sharing.waiters import _SUFFIX, _TICKET_MODE, QUEUE, TICKET_SCHEMA, Queue, Waiter, _read
+from gpukit.sharing.waiters import (
+    QUEUE,
+    TICKET_MODE,
+    TICKET_SCHEMA,
+    TICKET_SUFFIX,
+    Queue,
+    Waiter,
+    read_queue_in,
+)
 from gpukit.untrusted import InvalidInput, open_regular
 
 __all__ = ["Ticket", "wait_and_claim"]
@@ -50,7 +59,7 @@ _MOST_PINS = 64
 
 
 class Ticket:
-    """This process's place in the line of waiters; :meth:`close` leaves the line.
+    """This process's ticket: its place in the queue; :meth:`close` leaves the queue.
 
     ``n``, ``criteria`` (default: any idle GPU) and ``command`` are recorded in the ticket for
     ``gpukit queue``: the criteria as a sentence and as data (:mod:`gpukit.sharing.waiters`).
@@ -75,7 +84,7 @@ class Ticket:
             shared_folder(lock_folder() if folder is None else Path(folder)) / QUEUE
         )
         self._dir: int | None = open_folder(self.queue)
-        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{_SUFFIX}"
+        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{TICKET_SUFFIX}"
         uid = os.getuid()
         criteria = Criteria() if criteria is None else criteria
         record = {
@@ -113,7 +122,7 @@ class Ticket:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.write(self._fd, data)
-                os.fchmod(self._fd, _TICKET_MODE)
+                os.fchmod(self._fd, TICKET_MODE)
                 self._pin_dormant()  # before the name appears: a watcher cannot race it
                 os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
             except OSError as exc:  # a full disk, a quota
@@ -134,7 +143,7 @@ class Ticket:
         try:
             self.arrived_ns = os.fstat(self._fd).st_ctime_ns
             self._pin_dormant()  # those named while this one took its name
-            first = _read(self._dir, self.queue)
+            first = read_queue_in(self._dir, self.queue)
         except BaseException:
             self.close()
             raise
@@ -154,7 +163,7 @@ class Ticket:
                 names = sorted(
                     (e.name, e.inode())
                     for e in entries
-                    if e.name.endswith(_SUFFIX) and not e.name.startswith(".")
+                    if e.name.endswith(TICKET_SUFFIX) and not e.name.startswith(".")
                 )
         except OSError:
             return
@@ -175,13 +184,13 @@ class Ticket:
                 os.close(fd)
 
     def read_queue(self) -> Queue:
-        """The line as it stands now; tidies away this user's tickets whose waiters died."""
+        """The queue as it stands now; tidies away this user's tickets whose waiters died."""
         if self._dir is None:
             return Queue()
-        return _read(self._dir, self.queue, tidy=True)
+        return read_queue_in(self._dir, self.queue, tidy=True)
 
-    def waiters_ahead(self, line: Queue) -> list[Waiter]:
-        """The waiters of ``line`` that were live waiters before this one joined.
+    def waiters_ahead(self, queue: Queue) -> list[Waiter]:
+        """The waiters of ``queue`` that were live waiters before this one joined.
 
         Ordered by the kernel's change time (then the name), as everyone orders the line; but
         a ticket changed before this one took its name counts only if this waiter found it
@@ -192,7 +201,7 @@ class Ticket:
         mine = (self.arrived_ns, self.name)
         return [
             w
-            for w in line.waiters
+            for w in queue.waiters
             if (w.arrived_ns, w.ticket) < mine
             and (w.arrived_ns >= self.arrived_ns or (w.ticket, w.arrived_ns) in self._joined)
         ]
@@ -202,7 +211,7 @@ class Ticket:
         return len(self.waiters_ahead(self.read_queue()))
 
     def close(self) -> None:
-        """Leave the line. Safe to call twice."""
+        """Leave the queue. Safe to call twice."""
         while self._pins:
             os.close(self._pins.popitem()[1])
         if self._fd is not None:

@@ -1,4 +1,4 @@
-"""The line of waiters as read from the queue folder: who waits, in what order, what is ignored.
+"""The queue as read from its folder: which waiters hold tickets, in what order, what is ignored.
 
 Each waiter (``gpukit run --wait``, ``gk.acquire(wait=True)``) holds a *ticket* in
 ``<lock folder>/queue`` for as long as it waits: a file it creates, locks (``flock``) and names
@@ -14,7 +14,7 @@ was added to the record without changing its schema, so that an older gpukit on 
 machine still counts the waiter (it reads only the fields it knows); a ticket without it (from
 an older gpukit) or with one that is refused is still a waiter, whose criteria are unknown.
 
-Why the line cannot be jumped. Every user can add files to the queue folder, and a file's name
+Why the queue cannot be jumped. Every user can add files to the queue folder, and a file's name
 and content are whatever its creator wrote. Arrival order therefore comes from a time the
 kernel sets, the ticket's inode change time (``st_ctime_ns``, set when the ticket takes its
 name; ``utime`` can set a file's other times back, never this one), with the name only as a
@@ -33,7 +33,7 @@ and that process runs as the same user. Anything else in the folder (a link, a F
 a forged or abandoned ticket) is ignored, and :func:`read_queue` reports it in
 :attr:`Queue.foreign` (the first :data:`MOST_FOREIGN` by name; the rest are counted). Nothing
 here waits on a file, so ``--timeout`` always holds. A waiter that dies (even by SIGKILL) loses
-its lock with its life: a dead waiter never blocks the line.
+its lock with its life: a dead waiter never blocks the queue.
 
 The kernel's lock table names processes as this process's pid namespace sees them, so waiters
 in containers with pid namespaces of their own that share one lock folder do not see each
@@ -72,18 +72,31 @@ from gpukit.untrusted import (
     read_bounded,
 )
 
-__all__ = ["MOST_FOREIGN", "QUEUE", "TICKET_SCHEMA", "Foreign", "Queue", "Waiter", "read_queue"]
+__all__ = [
+    "MOST_FOREIGN",
+    "QUEUE",
+    "TICKET_MODE",
+    "TICKET_SCHEMA",
+    "TICKET_SUFFIX",
+    "Foreign",
+    "Queue",
+    "Waiter",
+    "read_queue",
+    "read_queue_in",
+]
 
 TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
-_SUFFIX = ".ticket"
+TICKET_SUFFIX = ".ticket"
+"""How a ticket's name ends: ``<time_ns>-<pid>-<hex>.ticket``."""
 _MAX_RECORD = 64 * 1024
 MOST_FOREIGN = 20
 """How many entries that are no waiter's ticket :func:`read_queue` lists (the rest are counted)."""
 _INVALID = "no valid waiter record"
 _MOST_ID = 2**32 - 1  # pids and uids are 32-bit numbers
 _MOST_TIME = 1e18  # seconds: bounded, so that a 400-digit integer is refused, not converted
-_TICKET_MODE = 0o644  # others read it (and lock it shared, to probe); only its owner writes
+TICKET_MODE = 0o644
+"""A ticket's mode: others read it (and lock it shared, to probe); only its owner writes it."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +152,7 @@ def _queue_of(folder: Path | None) -> Path:
 
 
 def read_queue(folder: Path | None = None) -> Queue:
-    """The line of waiters of the lock folder ``folder`` (default: the machine's), in order.
+    """The queue of the lock folder ``folder`` (default: the machine's): its waiters in order.
 
     Never blocks, never follows a link; what does not count as a waiter is in ``foreign``.
     Raises LockFolderError when the queue folder is refused (a link, another user's folder
@@ -153,12 +166,17 @@ def read_queue(folder: Path | None = None) -> Queue:
         return Queue()  # no one has waited here yet
     dir_fd = open_folder(queue)
     try:
-        return _read(dir_fd, queue)
+        return read_queue_in(dir_fd, queue)
     finally:
         os.close(dir_fd)
 
 
-def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Queue:
+def read_queue_in(dir_fd: int, queue: Path, *, tidy: bool = False) -> Queue:
+    """The queue of the folder ``queue``, already opened as ``dir_fd`` (as :func:`read_queue`).
+
+    ``tidy`` also removes this user's own tickets whose waiters died: a waiter tidies the
+    queue it reads, a reader who only looks never changes it.
+    """
     # Every entry named like a ticket is looked at (skipping some would let junk hide a
     # waiter); of the others only the first few names are kept, to be shown.
     others: list[str] = []
@@ -168,7 +186,7 @@ def _read(dir_fd: int, queue: Path, *, tidy: bool = False) -> Queue:
         for entry in entries:
             if entry.name.startswith("."):
                 continue
-            if entry.name.endswith(_SUFFIX):
+            if entry.name.endswith(TICKET_SUFFIX):
                 listed.append((entry.name, entry.inode()))
                 continue
             other_count += 1
