@@ -59,12 +59,10 @@ CORE: dict[str, list[str]] = {
         "tests/gpus/test_visible_boundaries.py",
         "tests/gpus/test_grants.py",
         "tests/gpus/test_visible_rules.py",
-        "tests/gpus/test_grants_rules.py",
     ],
     # the grants, measured as part of gpus/visible.py until they moved here
     "gpukit.gpus.grants": [
         "tests/gpus/test_grants.py",
-        "tests/gpus/test_grants_rules.py",
         "tests/gpus/test_visible_rules.py",
     ],
     "gpukit.transfer": [
