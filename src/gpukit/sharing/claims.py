@@ -5,7 +5,7 @@
 ...     held.indices
 [2, 4]
 
-One lock file per GPU UUID in the machine's lock folder (:mod:`.lockdir`: ``GPUKIT_LOCK_DIR``,
+One lock file per GPU UUID in the machine's lock folder (:mod:`.lock_folder`: ``GPUKIT_LOCK_DIR``,
 ``lock_folder`` in ``/etc/gpukit/config.toml``, or ``/tmp/gpukit-locks``), locked with
 ``fcntl.flock``. Every user can write that folder, so every file in it is opened through
 :mod:`.lockfiles` (no links, no FIFOs, one link only) and every record read from it is

@@ -36,16 +36,14 @@ from gpukit.errors import LockFolderError
 from gpukit.holders import user_name
 from gpukit.sharing.lock_folder import ADMIN_LOCK_FOLDER, config_path, read_config
 from gpukit.sharing.lockfiles import (
-    SHARED_DIR_MODE,
     SHARED_FILE_MODE,
+    SHARED_FOLDER_MODE,
     open_folder,
     open_lock_file,
     opened_folder,
 )
+from gpukit.sharing.waiters import QUEUE
 from gpukit.untrusted import printable
-
-QUEUE = "queue"
-"""The subfolder of the line of waiters (:mod:`gpukit.sharing.tickets`)."""
 
 
 @dataclass
@@ -177,7 +175,7 @@ def _make_root_folder(folder: Path) -> None:
                 "put anything in it.",
                 hint="Remove it (or choose another path) and run `gpukit setup-locks` again.",
             )
-        os.fchmod(fd, SHARED_DIR_MODE)
+        os.fchmod(fd, SHARED_FOLDER_MODE)
     finally:
         os.close(fd)
 
@@ -274,7 +272,7 @@ def setup_lock_dir(
                     f"{user_name(os.fstat(queue_fd).st_uid)}.",
                     hint="Remove it and run `gpukit setup-locks` again.",
                 )
-            os.fchmod(queue_fd, SHARED_DIR_MODE)
+            os.fchmod(queue_fd, SHARED_FOLDER_MODE)
         finally:
             os.close(queue_fd)
         with opened_folder(folder) as dir_fd:

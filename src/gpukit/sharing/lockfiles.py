@@ -48,7 +48,7 @@ from pathlib import Path
 from gpukit.errors import LockFolderError, UnsafeLockFileError
 from gpukit.holders import user_name
 
-SHARED_DIR_MODE = 0o1777
+SHARED_FOLDER_MODE = 0o1777
 """World-writable with the sticky bit, like /tmp: everyone adds files, only owners remove them."""
 SHARED_FILE_MODE = 0o666
 """Lock files: another user must be able to open a lock file to lock it later."""
@@ -124,7 +124,7 @@ def check_folder(info: os.stat_result, path: Path) -> None:
                 "`sudo gpukit setup-locks`.",
             )
         return
-    if mode & SHARED_DIR_MODE != SHARED_DIR_MODE:
+    if mode & SHARED_FOLDER_MODE != SHARED_FOLDER_MODE:
         raise LockFolderError(
             f"Refused the lock folder {path}: it belongs to {user_name(info.st_uid)} with mode "
             f"{mode:04o}, not shared the way gpukit shares it (1777: everyone may add files, "
@@ -145,7 +145,7 @@ def _create_folder(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.mkdir(path, SHARED_DIR_MODE)
+            os.mkdir(path, SHARED_FOLDER_MODE)
         except FileExistsError:
             return  # made by someone else meanwhile, or a link: the checks on open decide
     except OSError as exc:
@@ -153,14 +153,14 @@ def _create_folder(path: Path) -> None:
     # The umask took some bits away; we own it. NotImplementedError: it is a link now (Linux
     # cannot chmod a link itself), put there since: the checks on open refuse it.
     with contextlib.suppress(OSError, NotImplementedError):
-        os.chmod(path, SHARED_DIR_MODE, follow_symlinks=False)
+        os.chmod(path, SHARED_FOLDER_MODE, follow_symlinks=False)
 
 
 def open_folder(path: Path, *, create: bool = False) -> int:
     """Open the lock folder ``path`` without following a link, check it, return its descriptor.
 
     ``create`` makes it (and its parents) first when missing, shared with every user
-    (:data:`SHARED_DIR_MODE`). Raises LockFolderError when it is missing (without ``create``),
+    (:data:`SHARED_FOLDER_MODE`). Raises LockFolderError when it is missing (without ``create``),
     cannot be made or opened, or does not fit the trust model. The caller closes the descriptor.
     """
     path = Path(path)

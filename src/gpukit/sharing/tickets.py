@@ -83,7 +83,7 @@ class Ticket:
         self.queue = shared_folder(
             shared_folder(lock_folder() if folder is None else Path(folder)) / QUEUE
         )
-        self._dir: int | None = open_folder(self.queue)
+        self._folder_fd: int | None = open_folder(self.queue)
         name = f"{time.time_ns():020d}-{os.getpid()}-{uuid_module.uuid4().hex[:8]}{TICKET_SUFFIX}"
         uid = os.getuid()
         criteria = Criteria() if criteria is None else criteria
@@ -113,7 +113,7 @@ class Ticket:
             self._fd = open_lock_file(
                 self.queue,
                 hidden,
-                dir_fd=self._dir,
+                dir_fd=self._folder_fd,
                 write=True,
                 create=True,
                 exclusive=True,
@@ -124,7 +124,7 @@ class Ticket:
                 os.write(self._fd, data)
                 os.fchmod(self._fd, TICKET_MODE)
                 self._pin_dormant()  # before the name appears: a watcher cannot race it
-                os.rename(hidden, name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
+                os.rename(hidden, name, src_dir_fd=self._folder_fd, dst_dir_fd=self._folder_fd)
             except OSError as exc:  # a full disk, a quota
                 raise LockFolderError(
                     f"Cannot write a ticket in {self.queue}: {exc.strerror or exc}.",
@@ -134,7 +134,7 @@ class Ticket:
         except BaseException:
             if self._fd is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(hidden, dir_fd=self._dir)
+                    os.unlink(hidden, dir_fd=self._folder_fd)
             self.close()
             raise
         self.name = name
@@ -143,7 +143,7 @@ class Ticket:
         try:
             self.arrived_ns = os.fstat(self._fd).st_ctime_ns
             self._pin_dormant()  # those named while this one took its name
-            first = read_queue_in(self._dir, self.queue)
+            first = read_queue_in(self._folder_fd, self.queue)
         except BaseException:
             self.close()
             raise
@@ -157,9 +157,9 @@ class Ticket:
         place its name and change time would give it. At most ``_MOST_PINS`` are held; past
         that, :meth:`waiters_ahead` alone keeps them behind this waiter.
         """
-        assert self._dir is not None
+        assert self._folder_fd is not None
         try:
-            with os.scandir(self._dir) as entries:
+            with os.scandir(self._folder_fd) as entries:
                 names = sorted(
                     (e.name, e.inode())
                     for e in entries
@@ -173,7 +173,7 @@ class Ticket:
             if inode in self._pins:
                 continue
             try:  # no retry on a file it may not read: each try must cost one open
-                fd = open_regular(name, dir_fd=self._dir, nlink=True)
+                fd = open_regular(name, dir_fd=self._folder_fd, nlink=True)
             except (OSError, InvalidInput):
                 continue  # gone, unreadable, a link, a FIFO...: no ticket, now or later
             try:
@@ -185,9 +185,9 @@ class Ticket:
 
     def read_queue(self) -> Queue:
         """The queue as it stands now; tidies away this user's tickets whose waiters died."""
-        if self._dir is None:
+        if self._folder_fd is None:
             return Queue()
-        return read_queue_in(self._dir, self.queue, tidy=True)
+        return read_queue_in(self._folder_fd, self.queue, tidy=True)
 
     def waiters_ahead(self, queue: Queue) -> list[Waiter]:
         """The waiters of ``queue`` that were live waiters before this one joined.
@@ -215,14 +215,14 @@ class Ticket:
         while self._pins:
             os.close(self._pins.popitem()[1])
         if self._fd is not None:
-            if self._dir is not None and hasattr(self, "name"):
+            if self._folder_fd is not None and hasattr(self, "name"):
                 with contextlib.suppress(OSError):
-                    os.unlink(self.name, dir_fd=self._dir)
+                    os.unlink(self.name, dir_fd=self._folder_fd)
             os.close(self._fd)
             self._fd = None
-        if self._dir is not None:
-            os.close(self._dir)
-            self._dir = None
+        if self._folder_fd is not None:
+            os.close(self._folder_fd)
+            self._folder_fd = None
 
     def __enter__(self) -> Ticket:
         return self

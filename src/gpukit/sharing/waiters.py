@@ -87,6 +87,7 @@ __all__ = [
 
 TICKET_SCHEMA = "gpukit.ticket/1"
 QUEUE = "queue"
+"""The queue's folder in the lock folder: ``<lock folder>/queue``."""
 TICKET_SUFFIX = ".ticket"
 """How a ticket's name ends: ``<time_ns>-<pid>-<hex>.ticket``."""
 _MAX_RECORD = 64 * 1024
