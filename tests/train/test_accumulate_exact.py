@@ -27,13 +27,15 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_P
 
 
 @pytest.fixture(scope="module")
-def table() -> dict[str, Any]:
+def table(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # A file, not stdout: a worker's late warning can land in the middle of a long line.
+    out = tmp_path_factory.mktemp("table") / "table.json"
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(SCRIPTS)])
     env["MASTER_ADDR"] = "127.0.0.1"
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "accumulate_session.py")],
+        [sys.executable, str(SCRIPTS / "accumulate_session.py"), str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -41,7 +43,7 @@ def table() -> dict[str, Any]:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.read_text())
     return result
 
 

@@ -157,11 +157,15 @@ def autocast_forward(model: torch.nn.Module, precision: Precision) -> torch.nn.M
 
     The weights are not cast: they stay fp32 master weights, and so do their gradients.
     """
-    forward = model.forward
-    if isinstance(forward, AutocastForward):
-        forward = forward.forward
+    current = vars(model).get("forward")
+    if isinstance(current, AutocastForward):  # prepared before: start from the forward it ran
+        original = current.forward
+        if getattr(original, "__self__", None) is model and getattr(
+            original, "__func__", None
+        ) is getattr(type(model), "forward", None):
+            del model.forward  # the class's own forward again, as if never wrapped
+        else:
+            model.forward = original
     if precision.mixed:
-        model.forward = AutocastForward(forward, precision)
-    elif forward is not model.forward:
-        model.forward = forward
+        model.forward = AutocastForward(model.forward, precision)
     return model

@@ -1,8 +1,10 @@
-"""Run the accumulation table: the references, then 1, 2 and 3 processes; print JSON."""
+"""Run the accumulation table: the references, then 1, 2 and 3 processes; write JSON to argv[1]."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import accumulate_workloads as work
 
@@ -13,4 +15,4 @@ if __name__ == "__main__":
     worlds = {"1": [work.table()]}
     for n in (2, 3):
         worlds[str(n)] = dist.launch(work.table, n)
-    print(json.dumps({"references": references, "worlds": worlds}))
+    Path(sys.argv[1]).write_text(json.dumps({"references": references, "worlds": worlds}))
