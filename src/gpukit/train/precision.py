@@ -6,8 +6,9 @@
 - an older CUDA GPU: fp16 autocast with a gradient scaler. ``torch.cuda.is_bf16_supported()``
   answers True on such GPUs (V100, T4) because bf16 can be *emulated* there
   (pytorch/pytorch#148322), slower than fp32, so the capability decides, not that call;
-- a CPU: :data:`CPU_AUTO`, set from the figure ``gpukit bench`` measures (bf16 autocast against
-  fp32 step time; without AMX, CPU autocast is slower, pytorch/pytorch#118499);
+- a CPU: bf16 autocast where the CPU has bf16 instructions (AVX512-BF16 or AMX), fp32 on the
+  others. ``gpukit bench --only train`` measures the bf16 step against fp32 (docs/benchmarks.md):
+  faster with the instructions, several times slower without them (pytorch/pytorch#118499);
 - any other device: fp32.
 
 A request the device cannot honour (fp16 on a CPU, bf16 on a GPU before Ampere) is a
@@ -27,20 +28,28 @@ from gpukit._tree import mapper
 from gpukit.errors import DeviceError, InvalidArgumentError
 
 __all__ = [
-    "CPU_AUTO",
     "PRECISIONS",
     "AutocastForward",
     "Precision",
     "autocast_forward",
+    "cpu_has_native_bf16",
     "resolve_precision",
 ]
 
 PRECISIONS = ("auto", "bf16-mixed", "fp16-mixed", "fp32")
 
-# "auto" on a CPU. docs/benchmarks.md ("Mixed precision"): on a 2-core x86 CPU without AMX, a bf16
-# autocast step took 2.9x the fp32 step time, so fp32 is the honest default there. CPUs with AMX
-# (Sapphire Rapids and later) reverse the figure; ask for "bf16-mixed" on them.
-CPU_AUTO = "fp32"
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), as oneDNN uses it.
+
+    The figure behind "auto" (docs/benchmarks.md, "Mixed precision"): on a CPU with AVX512-BF16
+    the bf16 autocast step took 0.78x the fp32 step; with oneDNN held to AVX2 (a CPU without
+    the instructions) 4.2x, and to AVX-512 without BF16 1.3x. Other CPUs (ARM) are not measured:
+    fp32.
+    """
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+
 
 _DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -87,8 +96,8 @@ def _check_request(request: object) -> str:
 def resolve_precision(request: object, device: torch.device) -> Precision:
     """The precision to train with on ``device``: ``"auto"`` decided, an impossible one refused.
 
-    >>> resolve_precision("auto", torch.device("cpu")).name
-    'fp32'
+    >>> resolve_precision("fp32", torch.device("cpu")).dtype is None
+    True
 
     Raises:
         InvalidArgumentError: ``request`` is not one of :data:`PRECISIONS`.
@@ -101,15 +110,16 @@ def resolve_precision(request: object, device: torch.device) -> Precision:
         if kind == "cuda":
             name = "bf16-mixed" if _native_bf16(device) else "fp16-mixed"
         else:
-            name = CPU_AUTO if kind == "cpu" else "fp32"
+            native = kind == "cpu" and cpu_has_native_bf16()
+            name = "bf16-mixed" if native else "fp32"
     if name == "fp32":
         return Precision("fp32", kind, None)
     if kind == "cpu" and name == "fp16-mixed":
         raise DeviceError(
             "precision='fp16-mixed' was asked for on the CPU, which has no fp16 autocast with "
             "a gradient scaler worth training with.",
-            hint="Use precision='bf16-mixed' (fast only on CPUs with AMX) or 'fp32', or "
-            "'auto' to let gpukit choose.",
+            hint="Use precision='bf16-mixed' (fast on CPUs with AVX512-BF16 or AMX) or 'fp32', "
+            "or 'auto' to let gpukit choose.",
         )
     if kind == "cuda" and name == "bf16-mixed" and not _native_bf16(device):
         raise DeviceError(
