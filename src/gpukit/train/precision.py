@@ -42,10 +42,10 @@ PRECISIONS = ("auto", "bf16-mixed", "fp16-mixed", "fp32")
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX), as oneDNN uses it.
 
-    The figure behind "auto" (docs/benchmarks.md, "Mixed precision"): on a CPU with AVX512-BF16
-    the bf16 autocast step took 0.78x the fp32 step; with oneDNN held to AVX2 (a CPU without
-    the instructions) 4.2x, and to AVX-512 without BF16 1.3x. Other CPUs (ARM) are not measured:
-    fp32.
+    The figure behind "auto" (docs/benchmarks.md, "The training step"): on a CPU with
+    AVX512-BF16 a bf16 autocast step took 0.30x to 0.91x the fp32 step; with oneDNN held to
+    AVX-512 without BF16, 1.3x to 1.8x, and to AVX2, 4.2x. Other CPUs (ARM) are not measured:
+    fp32 there.
     """
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
