@@ -14,6 +14,9 @@ The same script runs with ``python train.py`` (one process, nothing to set up) a
             opt.zero_grad(); loss.backward(); opt.step()   # DDP averages the gradients
         dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss, weight=len(x)):.3f}")
 
+With ``prepare(..., accumulate=K, precision="auto")`` the loop ends each batch with
+``dist.step(loss)`` instead (see :mod:`gpukit.train.step`).
+
 Process groups, rendezvous and launching are torch.distributed's and torchrun's, under the
 cluster's own scheduler; this module only reads the job's environment (torchrun, Slurm, Open
 MPI, SkyPilot: :func:`environment`), picks the backend and device, and wires the model and data.
@@ -37,6 +40,7 @@ _EXPORTS = {
     "all_reduce_mean": "gpukit.distributed.metrics",
     "gather_for_metrics": "gpukit.distributed.metrics",
     "prepare": "gpukit.distributed.ddp",
+    "step": "gpukit.train.step",
     **{
         name: "gpukit.distributed.process_group"
         for name in (
@@ -69,6 +73,7 @@ if TYPE_CHECKING:
     from gpukit.distributed.process_group import print_main as print_main
     from gpukit.distributed.process_group import rank as rank
     from gpukit.distributed.process_group import world_size as world_size
+    from gpukit.train.step import step as step
 
 __all__ = [
     "DistributedContext",
@@ -87,6 +92,7 @@ __all__ = [
     "prepare",
     "print_main",
     "rank",
+    "step",
     "torchrun_args",
     "world_size",
 ]

@@ -13,11 +13,13 @@ from torch.utils.data import DataLoader
 from gpukit.distributed.data import (
     DistributedLoader,
     SampleWeights,
-    per_device_size,
+    micro_batches,
     weighted_allreduce,
 )
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
+from gpukit.train.precision import autocast_forward, resolve_precision
+from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 
 M = TypeVar("M", bound=nn.Module)
@@ -29,7 +31,7 @@ __all__ = ["prepare"]
 def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any]) -> Any:
     if isinstance(model, DistributedDataParallel):
         return model
-    model = to_device(model, ctx.device)
+    model = to_device(model, ctx.device)  # the fp32 master weights, whatever the precision
     if ctx.world_size == 1:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -69,7 +71,7 @@ def _prepare_optimizer(optimizer: Optimizer, ctx: DistributedContext) -> Optimiz
 
 
 @overload
-def prepare(model: M) -> M | DistributedDataParallel: ...
+def prepare(model: M, *, precision: str = ...) -> M | DistributedDataParallel: ...
 @overload
 def prepare(
     model: M,
@@ -78,6 +80,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, Opt]: ...
@@ -89,6 +93,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
@@ -100,6 +106,8 @@ def prepare(
     loader: DataLoader[Any],
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
@@ -111,6 +119,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
@@ -121,6 +131,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = None,
     global_batch_size: int | None = None,
+    accumulate: int | None = None,
+    precision: str = "fp32",
     seed: int = 0,
     ddp_kwargs: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -136,15 +148,71 @@ def prepare(
     N processes end with the same weights as one, whatever the dataset's size; in the last
     step of an epoch a process may get fewer samples than the others, or an empty batch.
 
+    ``accumulate=K`` cuts each global batch into K micro-batches per process (or give
+    ``per_device_batch_size`` and a larger ``global_batch_size``: the micro-batch and the global
+    batch, K derived); gradients are all-reduced once per optimizer step and every micro-batch is
+    weighed by its share of the step's samples (or of the counts given to ``dist.step``), so
+    the step is still one process's step on the whole global batch. ``precision`` is
+    ``"fp32"`` (default), ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"auto"`` (see
+    :func:`gpukit.train.precision.resolve_precision`): the model's forward runs under autocast,
+    weights and gradients stay fp32. With either, end each batch with ``dist.step(loss)``
+    in place of ``opt.zero_grad(); loss.backward(); opt.step()``.
+
+    >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=256,
+    ...                              accumulate=4, precision="auto")  # doctest: +SKIP
+
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
+
+    Raises:
+        InvalidArgumentError: an object of the wrong type, batch sizes that do not fit together,
+            ``accumulate`` without a loader or with a model wrapped in DDP already, an unknown
+            precision.
+        DeviceError: a precision this process's device cannot run natively.
     """
     _check_objects(model, optimizer, loader)
     ctx = _ready()
-    out: list[Any] = [_prepare_model(model, ctx, ddp_kwargs or {})]
+    resolved = resolve_precision(precision, ctx.device)
+    steps = 1
+    if loader is not None:
+        size, steps = micro_batches(
+            ctx.world_size, per_device_batch_size, global_batch_size, accumulate
+        )
+    elif accumulate is not None and accumulate != 1:
+        raise InvalidArgumentError(
+            f"prepare() got accumulate={accumulate!r} without a loader.",
+            hint="Accumulation follows the prepared loader's micro-batches: pass the loader too.",
+        )
+    if resolved.scaled and optimizer is not None and loader is None:
+        raise InvalidArgumentError(
+            "prepare() got precision='fp16-mixed' with an optimizer but no loader: the "
+            "gradient scaler runs in the step of a prepared loader's loop.",
+            hint="Pass the loader too and end each batch with dist.step(loss), or use "
+            "gk.train.TrainStep(model, opt, precision=...) in your own loop.",
+        )
+    yours = isinstance(model, DistributedDataParallel)
+    if yours and steps > 1:
+        raise InvalidArgumentError(
+            f"prepare() got accumulate={steps} and a model already wrapped in DDP, whose "
+            "equal average over processes cannot weigh micro-batches exactly.",
+            hint="Pass the bare model and let prepare() wrap it.",
+        )
+    prepared = _prepare_model(model, ctx, ddp_kwargs or {})
+    inner = prepared.module if isinstance(prepared, DistributedDataParallel) else prepared
+    autocast_forward(inner, resolved)
+    out: list[Any] = [prepared]
     if optimizer is not None:
         out.append(_prepare_optimizer(optimizer, ctx))
     if loader is not None:
-        size = per_device_size(ctx.world_size, per_device_batch_size, global_batch_size)
+        train_step = None
+        if optimizer is not None:
+            train_step = TrainStep(
+                prepared,
+                optimizer,
+                precision=resolved,
+                accumulate=steps,
+                hooked=isinstance(prepared, DistributedDataParallel) and not yours,
+                distributed=ctx.world_size > 1,
+            )
         out.append(
             DistributedLoader(
                 loader,
@@ -153,6 +221,8 @@ def prepare(
                 world_size=ctx.world_size,
                 device=ctx.device,
                 seed=seed,
+                accumulate=steps,
+                train_step=train_step,
             )
         )
     return out[0] if len(out) == 1 else tuple(out)
