@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpukit import distributed as dist
-from tests.two_processes import OtherRank, two_processes
+from tests.helpers.two_processes import OtherRank, two_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import accumulate_workloads as work
