@@ -78,6 +78,8 @@ _EXPORTS: dict[str, str] = {
     "load": "gpukit.checkpoint",
     "clean_state_dict": "gpukit.checkpoint",
     "LoadReport": "gpukit.checkpoint",
+    # training state
+    "TrainingState": "gpukit.train",
     # memory
     "memory_report": "gpukit.memory",
     "track_peak": "gpukit.memory",
@@ -90,7 +92,7 @@ _EXPORTS: dict[str, str] = {
     "check_devices": "gpukit.doctor",
     "explain_device_errors": "gpukit.doctor",
 }
-_SUBMODULES = {"parallel", "distributed", "errors"}
+_SUBMODULES = {"parallel", "distributed", "errors", "train"}
 
 if TYPE_CHECKING:
     from gpukit._tree import tree_map as tree_map

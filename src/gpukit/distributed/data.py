@@ -17,6 +17,7 @@ whole global batch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -143,6 +144,7 @@ class RankBatches(Sampler[list[int]]):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
+        self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` for the next pass."""
@@ -157,8 +159,10 @@ class RankBatches(Sampler[list[int]]):
         return torch.randperm(self.dataset_len, generator=gen).tolist()
 
     def global_batches(self) -> list[list[int]]:
-        """Every global batch of this epoch (the last one shorter unless drop_last)."""
-        order, size = self.order(), self.global_batch_size
+        """Every global batch of this epoch from ``start`` on (the last one shorter unless
+        drop_last). ``start`` counts samples of the epoch's order already consumed, so the rest
+        is cut the same for any world size."""
+        order, size = self.order()[self.start :], self.global_batch_size
         batches = [order[i : i + size] for i in range(0, len(order), size)]
         if self.drop_last and batches and len(batches[-1]) < size:
             batches.pop()
@@ -171,6 +175,12 @@ class RankBatches(Sampler[list[int]]):
     def __len__(self) -> int:
         full, rest = divmod(self.dataset_len, self.global_batch_size)
         return full + (1 if rest and not self.drop_last else 0)
+
+    def epoch_samples(self) -> int:
+        """How many samples of the order one whole epoch consumes (drop_last drops the tail)."""
+        if self.drop_last:
+            return self.dataset_len - self.dataset_len % self.global_batch_size
+        return self.dataset_len
 
 
 class _EmptyAware:
@@ -283,9 +293,14 @@ class DistributedLoader:
             seed=seed,
             drop_last=loader.drop_last,
         )
+        # The workers' base seed comes from this generator, reseeded each pass from (seed, epoch,
+        # rank): a pass then draws nothing from the process's own torch stream, and a pass
+        # resumed mid-epoch gives its workers the seeds the uninterrupted pass gave them.
+        self._worker_seeds = torch.Generator()
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
             batch_sampler=self.sampler,
+            generator=self._worker_seeds,
             num_workers=loader.num_workers,
             collate_fn=_EmptyAware(loader.collate_fn, dataset),  # type: ignore[arg-type]
             pin_memory=loader.pin_memory or device.type == "cuda",
@@ -301,36 +316,97 @@ class DistributedLoader:
         self.device = device
         self.rank = rank
         self.world_size = world_size
-        self._epoch = 0
-        self._epoch_set = False
+        self._epoch = 0  # the epoch of the pass in progress, or else of the next pass
+        self._consumed = 0  # samples of that epoch's order consumed (see state_dict)
+        self._in_pass = False
+        self._next_epoch: int | None = None  # chosen by set_epoch during a pass
         self.current_len = 0
         self.current_global_len = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next pass's shuffle; the passes after it count on from there."""
+        """Use ``epoch`` for the next pass's shuffle; the passes after it count on from there.
+
+        Setting the epoch the loader is already in keeps its position inside that epoch (after
+        :meth:`load_state_dict`, or a pass left early); another epoch starts at its beginning.
+        """
+        if self._in_pass:
+            self._next_epoch = epoch  # chooses the next pass; this one keeps its position
+            return
+        if epoch != self._epoch:
+            self._consumed = 0
         self._epoch = epoch
-        self._epoch_set = True
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from."""
+        return self._epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next batch comes from: the epoch and the samples of its order consumed.
+
+        The position counts samples of the epoch's global order (the same for any world size),
+        so the state resumes on another number of processes: the rest of the epoch is dealt
+        out again, no sample repeated or skipped. A batch counts as consumed once it has been
+        handed out, so save after the step that used it.
+        """
+        epoch, consumed = self._epoch, self._consumed
+        if consumed >= self.sampler.epoch_samples():
+            epoch, consumed = epoch + 1, 0  # the epoch's last batch is out: the next one is next
+        return {
+            "epoch": epoch,
+            "consumed": consumed,
+            "seed": self.sampler.seed,
+            "shuffle": int(self.sampler.shuffle),
+            "dataset_len": self.sampler.dataset_len,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next pass starts where that one stopped.
+
+        Index arithmetic, not replay: resuming at batch 10,000 costs what batch 10 costs.
+
+        Raises:
+            InvalidArgumentError: the state is not a loader's, or it describes another
+                dataset length, seed or shuffle than this loader's.
+        """
+        _loader_position(state, self.sampler)  # checked before anything changes
+        self._epoch = int(state["epoch"])
+        self._consumed = int(state["consumed"])
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self._epoch)
+        epoch = self._epoch
+        self.sampler.set_epoch(epoch)
+        self.sampler.start = self._consumed  # mid-epoch: only the rest of the epoch's order
         sizes = [len(b) for b in self.sampler.global_batches()]
-        # A set_epoch before this pass is used up now; only one during it chooses the next pass.
-        self._epoch_set = False
+        self._worker_seeds.manual_seed(_worker_base(self.sampler.seed, epoch, self.rank))
+        self._in_pass, self._next_epoch = True, None
         self.current_len = 0
         self.current_global_len = 0
+        ended = False
         _ACTIVE.append(self)
         try:
             for step, batch in enumerate(self.loader):
                 self.current_global_len = sizes[step]
                 self.current_len = len(share(sizes[step], self.world_size, self.rank))
+                self._consumed += sizes[step]
                 yield to_device(batch, self.device)
+            ended = True
         finally:
             _ACTIVE.remove(self)
-            if not self._epoch_set:
-                self._epoch += 1
+            self.sampler.start = 0
+            self._in_pass = False
+            if (chosen := self._chosen_next()) is not None:
+                self._epoch, self._consumed = chosen, 0
+            elif ended:
+                self._epoch, self._consumed = epoch + 1, 0
+            # else a pass left early (break): it keeps its place, the next pass continues it
+
+    def _chosen_next(self) -> int | None:
+        """The epoch a set_epoch during the pass chose for the next pass, if any."""
+        return self._next_epoch
 
     def kept_rows(self) -> list[bool]:
         """For the batch being processed, which rows of a gather over all ranks are samples.
@@ -338,3 +414,47 @@ class DistributedLoader:
         Every row is: no sample is repeated, so a gather holds the global batch exactly once.
         """
         return [True] * self.current_global_len
+
+
+def _worker_base(seed: int, epoch: int, rank: int) -> int:
+    """The seed of a pass's worker seeds: one per (seed, epoch, rank), spread over 63 bits."""
+    digest = hashlib.sha256(f"{seed}:{epoch}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _loader_position(state: object, sampler: RankBatches) -> tuple[int, int]:
+    """The (epoch, consumed) of a saved loader state, checked against this loader's data."""
+    if not isinstance(state, dict):
+        raise InvalidArgumentError(
+            f"DistributedLoader.load_state_dict got a {type(state).__name__}, not a loader state.",
+            hint="Pass what DistributedLoader.state_dict() returned.",
+        )
+    fields = {}
+    for name in ("epoch", "consumed", "seed", "shuffle", "dataset_len"):
+        value = state.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(
+                f"the loader state's {name!r} is {value!r}, not a whole number >= 0.",
+                hint="Pass what DistributedLoader.state_dict() returned, unchanged.",
+            )
+        fields[name] = value
+    mine = {
+        "seed": sampler.seed,
+        "shuffle": int(sampler.shuffle),
+        "dataset_len": sampler.dataset_len,
+    }
+    for name, value in mine.items():
+        if fields[name] != value:
+            raise InvalidArgumentError(
+                f"the loader state was saved with {name}={fields[name]}, this loader has "
+                f"{name}={value}: its order of samples is another one, so the position in it "
+                "means nothing here.",
+                hint="Resume with the dataset, seed and shuffle the run started with.",
+            )
+    if fields["consumed"] > sampler.dataset_len:
+        raise InvalidArgumentError(
+            f"the loader state says {fields['consumed']} samples of the epoch were consumed, "
+            f"but the dataset has {sampler.dataset_len}.",
+            hint="Pass what DistributedLoader.state_dict() returned, unchanged.",
+        )
+    return fields["epoch"], fields["consumed"]

@@ -7,4 +7,6 @@ one-process script uses them the same way. This package never imports ``gpukit.d
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from gpukit.train.state import Resumed, TrainingState
+
+__all__: list[str] = ["Resumed", "TrainingState"]
