@@ -264,7 +264,9 @@ class DistributedLoader:
 
     Each pass calls ``set_epoch`` on the sampler with the pass number (or the value given to
     :meth:`set_epoch`), so shuffling differs per epoch and agrees across processes. Every rank
-    yields ``len(self)`` batches; the last may be shorter, or empty on some ranks.
+    yields ``len(self)`` batches; the last may be shorter, or empty on some ranks. A pass left
+    before its last batch (``break``) keeps its place: the next pass continues that epoch, so
+    a state saved after the loop has left it resumes where the loop stopped.
     ``batch_size`` is per process; ``global_batch_size`` is what one step sees over all of them.
     """
 
@@ -400,7 +402,7 @@ class DistributedLoader:
             self._in_pass = False
             if (chosen := self._chosen_next()) is not None:
                 self._epoch, self._consumed = chosen, 0
-            elif ended:
+            elif ended or self._consumed >= self.sampler.epoch_samples():
                 self._epoch, self._consumed = epoch + 1, 0
             # else a pass left early (break): it keeps its place, the next pass continues it
 

@@ -43,7 +43,8 @@ from torch import nn
 
 from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, InvalidArgumentError
-from gpukit.train import rng, saves
+import gpukit.train.rng as rng
+import gpukit.train.saves as saves
 from gpukit.train._staging import check_plain, is_stateful, stage
 
 __all__ = ["Resumed", "TrainingState"]
