@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpukit.checkpoint.keys import unwrap
-from gpukit.errors import CheckpointError, InvalidArgumentError
 import gpukit.train.rng as rng
 import gpukit.train.saves as saves
+from gpukit.checkpoint.keys import unwrap
+from gpukit.errors import CheckpointError, InvalidArgumentError
 from gpukit.train._staging import check_plain, is_stateful, stage
 
 __all__ = ["Resumed", "TrainingState"]
