@@ -1,4 +1,4 @@
-"""The distributed loader's position: saved as samples of the epoch's order, resumed by arithmetic."""
+"""The distributed loader's position: samples of the epoch's order, resumed by arithmetic."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _loader(
 def _global_batches(loaders: list[DistributedLoader]) -> list[list[int]]:
     """One pass of every rank's loader, each step's shares joined in rank order."""
     passes = [[b.tolist() for b in loader] for loader in loaders]
-    return [sum(shares, []) for shares in zip(*passes, strict=True)]
+    return [[i for share in shares for i in share] for shares in zip(*passes, strict=True)]
 
 
 def _stopped_after(steps: int, world: int, n: int = 43) -> dict[str, int]:
