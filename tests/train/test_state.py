@@ -306,3 +306,17 @@ def test_keep_must_be_a_positive_whole_number(tmp_path: Path, keep: Any) -> None
 
 def test_the_training_state_is_a_top_level_name() -> None:
     assert gk.TrainingState is TrainingState
+
+
+def test_consecutive_asynchronous_saves_each_hold_their_own_moment(tmp_path: Path) -> None:
+    model = _model()
+    with _state(tmp_path, model, keep=5) as state:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model[0].weight.fill_(step)
+            state.step = step
+            state.save()  # copies into the buffers of the save before, once that one is written
+    for path in tmp_path.iterdir():
+        info = saves.check(path)
+        weight = saves.load_part(path, saves.SHARED)["model"]["0.weight"]
+        assert torch.all(weight == info.step)

@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "data_parallel": "gpukit.bench.data_parallel",
     "ddp": "gpukit.bench.ddp",
     "checkpoint": "gpukit.bench.checkpoint",
+    "train_state": "gpukit.bench.train_state",
     "startup": "gpukit.bench.startup",
     "batch_size": "gpukit.bench.batch_size",
     "h2d": "gpukit.bench.h2d",

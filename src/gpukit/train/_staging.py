@@ -15,7 +15,7 @@ import torch
 
 from gpukit.errors import InvalidArgumentError
 
-__all__ = ["check_plain", "is_stateful", "stage"]
+__all__ = ["Stager", "check_plain", "is_stateful"]
 
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
 
@@ -59,29 +59,48 @@ def check_plain(value: object, where: str, depth: int = 0) -> None:
     )
 
 
-def stage(state: Any) -> Any:
-    """A copy of ``state`` in host memory: every tensor copied to CPU, every container rebuilt."""
-    on_gpu = False
+class Stager:
+    """Copies a state to host memory, into the same buffers save after save.
 
-    def copy_of(value: Any) -> Any:
-        nonlocal on_gpu
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            if value.device.type == "cpu":
-                return value.clone()
-            on_gpu = True
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            return host.copy_(value, non_blocking=True)
-        if isinstance(value, dict):
-            out = copy.copy(value)  # keeps the type, a defaultdict's factory, _metadata
-            for key in out:
-                out[key] = copy_of(value[key])
-            return out
-        if type(value) in (list, tuple):
-            return type(value)(copy_of(item) for item in value)
-        return copy.deepcopy(value)
+    Fresh memory costs a page fault per page on first touch, which on a small machine makes a
+    copy as slow as writing the file; a tensor of the same place, shape and dtype as at the
+    previous save is therefore copied into that save's buffer. The caller must not stage again
+    before the previous staged copy has been written (``TrainingState.save`` waits for it).
+    """
 
-    staged = copy_of(state)
-    if on_gpu:
-        torch.cuda.synchronize()  # the copies above were queued, not waited for, one by one
-    return staged
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def stage(self, state: Any) -> Any:
+        """A copy of ``state`` in host memory: tensors copied to CPU, containers rebuilt."""
+        on_gpu = False
+        seen: dict[tuple[Any, ...], torch.Tensor] = {}
+
+        def buffer(path: tuple[Any, ...], value: torch.Tensor) -> torch.Tensor:
+            kept = self._buffers.get(path)
+            if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
+                pinned = value.device.type == "cuda"
+                kept = torch.empty(value.shape, dtype=value.dtype, pin_memory=pinned)
+            seen[path] = kept
+            return kept
+
+        def copy_of(path: tuple[Any, ...], value: Any) -> Any:
+            nonlocal on_gpu
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+                on_gpu = on_gpu or value.device.type != "cpu"
+                return buffer(path, value).copy_(value, non_blocking=value.device.type == "cuda")
+            if isinstance(value, dict):
+                out = copy.copy(value)  # keeps the type, a defaultdict's factory, _metadata
+                for key in out:
+                    out[key] = copy_of((*path, key), value[key])
+                return out
+            if type(value) in (list, tuple):
+                return type(value)(copy_of((*path, i), item) for i, item in enumerate(value))
+            return copy.deepcopy(value)
+
+        staged = copy_of((), state)
+        self._buffers = seen  # buffers of tensors gone since are let go
+        if on_gpu:
+            torch.cuda.synchronize()  # the copies above were queued, not waited for, one by one
+        return staged

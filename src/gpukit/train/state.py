@@ -45,7 +45,7 @@ import gpukit.train.rng as rng
 import gpukit.train.saves as saves
 from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, InvalidArgumentError
-from gpukit.train._staging import check_plain, is_stateful, stage
+from gpukit.train._staging import Stager, check_plain, is_stateful
 
 __all__ = ["Resumed", "TrainingState"]
 
@@ -141,6 +141,7 @@ class TrainingState:
         self._group: Any = None
         self._token = ""
         self._count = 0
+        self._stagers = (Stager(), Stager())  # the shared part, this rank's own
 
     # --- gathering -------------------------------------------------------------------------
 
@@ -193,7 +194,8 @@ class TrainingState:
         shared = self._shared() if rank == 0 else None
         own = self._own()
         if not block:
-            shared, own = stage(shared), stage(own)  # the loop may change the originals now
+            # The loop may change the originals as soon as this returns.
+            shared, own = self._stagers[0].stage(shared), self._stagers[1].stage(own)
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
