@@ -255,7 +255,9 @@ class TrainingState:
         rank, world = _rank_and_world()
         info, passed = saves.newest(root) if rank == 0 else (None, [])
         if world > 1:
-            info = _agree(info, root)
+            if not self._token:
+                self._start_run(rank, world)
+            info = _agree(info, root, self._group)
         if info is None:
             log.info("no complete save in %s: starting from step 0", root)
             return None
@@ -354,12 +356,13 @@ def _torch_save(obj: Any) -> Any:
     return write
 
 
-def _agree(info: saves.SaveInfo | None, root: Path) -> saves.SaveInfo | None:
-    """Rank 0's choice of save, on every rank (each then reads and checks it itself)."""
+def _agree(info: saves.SaveInfo | None, root: Path, group: Any) -> saves.SaveInfo | None:
+    """Rank 0's choice of save, on every rank (each then reads and checks it itself); through
+    the saves' gloo group, which takes CPU tensors whatever the training's backend is."""
     name = info.path.name.encode() if info is not None else b""
-    buffer = torch.zeros(64, dtype=torch.uint8)
+    buffer = torch.zeros(128, dtype=torch.uint8)  # a save name is at most 67 bytes
     buffer[: len(name)] = torch.tensor(list(name), dtype=torch.uint8)
-    dist.broadcast(buffer, src=0)
+    dist.broadcast(buffer, src=0, group=group)
     chosen = bytes(buffer.tolist()).rstrip(b"\0").decode()
     if not chosen:
         return None
