@@ -320,3 +320,16 @@ def test_consecutive_asynchronous_saves_each_hold_their_own_moment(tmp_path: Pat
         info = saves.check(path)
         weight = saves.load_part(path, saves.SHARED)["model"]["0.weight"]
         assert torch.all(weight == info.step)
+
+
+def test_an_optimizer_of_another_shape_is_refused_naming_the_part(tmp_path: Path) -> None:
+    model = _model()
+    with _state(tmp_path, model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as state:
+        state.save()
+    other = _model()
+    opt = torch.optim.SGD([next(other.parameters())], lr=0.1)  # one group of one parameter
+    with (
+        _state(tmp_path, other, optimizer=opt) as state,
+        pytest.raises(CheckpointError, match="optimizer state"),
+    ):
+        state.resume()

@@ -44,7 +44,7 @@ from torch import nn
 import gpukit.train.rng as rng
 import gpukit.train.saves as saves
 from gpukit.checkpoint.keys import unwrap
-from gpukit.errors import CheckpointError, InvalidArgumentError
+from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
 from gpukit.train._staging import Stager, check_plain, is_stateful
 
 __all__ = ["Resumed", "TrainingState"]
@@ -297,7 +297,16 @@ class TrainingState:
                     f"{path} holds no {name} state, and this run has a {name}.",
                     hint=f"Resume without a {name}, or from a save of a run that had one.",
                 )
-            part.load_state_dict(shared[name])
+            try:
+                part.load_state_dict(shared[name])
+            except GpukitError:
+                raise
+            except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
+                raise CheckpointError(
+                    f"{path} holds a {name} state that this {name} cannot take: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                    hint=f"Resume with the {name} the run saved (same kind, same parameters).",
+                ) from None
         _load_extras(self.extras, shared.get("extras"), path)
         self.step = step
 
