@@ -27,7 +27,6 @@ copies the state to host memory and returns; a background thread writes it, and 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -46,6 +45,7 @@ import gpukit.train.saves as saves
 from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
 from gpukit.train._staging import Stager, check_plain, is_stateful
+from gpukit.train._writing import SaveJob
 
 __all__ = ["Resumed", "TrainingState"]
 
@@ -204,7 +204,7 @@ class TrainingState:
                 hint="Pass a folder this process can create and write (on a shared file "
                 "system when the ranks run on several machines).",
             ) from None
-        job = _SaveJob(target, self.step, rank, world, self.keep, self._group, shared, own)
+        job = SaveJob(target, self.step, rank, world, self.keep, self._group, shared, own)
         if block:
             self._last = job.run()
             return target
@@ -309,60 +309,6 @@ class TrainingState:
                 ) from None
         _load_extras(self.extras, shared.get("extras"), path)
         self.step = step
-
-
-@dataclass
-class _SaveJob:
-    """One save's writing, run in the background thread (or inline when blocking)."""
-
-    folder: Path
-    step: int
-    rank: int
-    world: int
-    keep: int
-    group: Any
-    shared: dict[str, Any] | None
-    own: dict[str, Any]
-
-    def run(self) -> Path:
-        failure: BaseException | None = None
-        try:
-            if self.shared is not None:
-                saves.write_part(self.folder, saves.SHARED, _torch_save(self.shared))
-            saves.write_part(self.folder, saves.rank_file(self.rank), _torch_save(self.own))
-        except BaseException as exc:  # reported after all ranks know, so none waits forever
-            failure = exc
-        self.shared = None  # the host copies are not needed any more
-        if self.world > 1:
-            ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int64)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-            if failure is None and int(ok.item()) == 0:
-                failure = CheckpointError(
-                    f"The save {self.folder} failed on another rank.",
-                    hint="See that rank's error; the previous complete save is still there.",
-                )
-        if failure is not None:
-            if self.rank == 0:
-                with contextlib.suppress(OSError):
-                    saves.remove(self.folder)  # nothing half-written is left behind
-            if isinstance(failure, OSError):
-                raise CheckpointError(
-                    f"Cannot write the save {self.folder}: {failure.strerror}.",
-                    hint="Free space or fix the folder's permissions; the previous complete "
-                    "save is still there.",
-                ) from failure
-            raise failure
-        if self.rank == 0:
-            saves.finish(self.folder, step=self.step, world_size=self.world)
-            saves.prune(self.folder.parent, keep=self.keep, current=self.folder)
-        return self.folder
-
-
-def _torch_save(obj: Any) -> Any:
-    def write(handle: Any) -> None:
-        torch.save(obj, handle)
-
-    return write
 
 
 def _agree(info: saves.SaveInfo | None, root: Path, group: Any) -> saves.SaveInfo | None:
