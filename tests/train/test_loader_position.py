@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from gpukit.distributed.data import DistributedLoader
@@ -156,3 +158,36 @@ def test_a_malformed_loader_state_is_refused(bad: object) -> None:
     state = {**_stopped_after(2, world=1), **bad} if isinstance(bad, dict) else bad
     with pytest.raises(InvalidArgumentError):
         _loader(Ids(43)).load_state_dict(state)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60)
+@given(
+    samples=st.integers(1, 80),
+    per_rank=st.integers(1, 4),
+    saved_on=st.sampled_from([1, 2, 3, 6]),
+    resumed_on=st.sampled_from([1, 2, 3, 6]),
+    data=st.data(),
+)
+def test_any_stop_on_any_world_size_leaves_exactly_the_rest_of_the_epoch(
+    samples: int, per_rank: int, saved_on: int, resumed_on: int, data: st.DataObject
+) -> None:
+    global_batch = 6 * per_rank  # divides over 1, 2, 3 and 6 processes
+    whole = _global_batches([_loader(Ids(samples), global_batch=global_batch)])
+    stop = data.draw(st.integers(0, len(whole)), label="stop")
+    saved = _loader(Ids(samples), world=saved_on, global_batch=global_batch)
+    batches = iter(saved)
+    for _ in range(stop):
+        next(batches)
+    state = saved.state_dict()
+    resumed = [
+        _loader(Ids(samples), rank=r, world=resumed_on, global_batch=global_batch)
+        for r in range(resumed_on)
+    ]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    rest = _global_batches(resumed)
+    if stop == len(whole):  # the epoch is over: the resumed pass is the next epoch, whole
+        assert state["epoch"] == 1
+        assert sorted(i for b in rest for i in b) == list(range(samples))
+    else:
+        assert rest == whole[stop:]
