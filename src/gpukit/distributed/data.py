@@ -17,7 +17,6 @@ whole global batch.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
+from gpukit.distributed.position import checked_position, worker_base
 from gpukit.errors import InvalidArgumentError
 from gpukit.transfer import to_device
 
@@ -371,7 +371,12 @@ class DistributedLoader:
             InvalidArgumentError: the state is not a loader's, or it describes another
                 dataset length, seed or shuffle than this loader's.
         """
-        _loader_position(state, self.sampler)  # checked before anything changes
+        checked_position(
+            state,
+            seed=self.sampler.seed,
+            shuffle=self.sampler.shuffle,
+            dataset_len=self.sampler.dataset_len,
+        )  # checked before anything changes
         self._epoch = int(state["epoch"])
         self._consumed = int(state["consumed"])
 
@@ -383,7 +388,7 @@ class DistributedLoader:
         self.sampler.set_epoch(epoch)
         self.sampler.start = self._consumed  # mid-epoch: only the rest of the epoch's order
         sizes = [len(b) for b in self.sampler.global_batches()]
-        self._worker_seeds.manual_seed(_worker_base(self.sampler.seed, epoch, self.rank))
+        self._worker_seeds.manual_seed(worker_base(self.sampler.seed, epoch, self.rank))
         self._in_pass, self._next_epoch = True, None
         self.current_len = 0
         self.current_global_len = 0
@@ -416,47 +421,3 @@ class DistributedLoader:
         Every row is: no sample is repeated, so a gather holds the global batch exactly once.
         """
         return [True] * self.current_global_len
-
-
-def _worker_base(seed: int, epoch: int, rank: int) -> int:
-    """The seed of a pass's worker seeds: one per (seed, epoch, rank), spread over 63 bits."""
-    digest = hashlib.sha256(f"{seed}:{epoch}:{rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _loader_position(state: object, sampler: RankBatches) -> tuple[int, int]:
-    """The (epoch, consumed) of a saved loader state, checked against this loader's data."""
-    if not isinstance(state, dict):
-        raise InvalidArgumentError(
-            f"DistributedLoader.load_state_dict got a {type(state).__name__}, not a loader state.",
-            hint="Pass what DistributedLoader.state_dict() returned.",
-        )
-    fields = {}
-    for name in ("epoch", "consumed", "seed", "shuffle", "dataset_len"):
-        value = state.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgumentError(
-                f"the loader state's {name!r} is {value!r}, not a whole number >= 0.",
-                hint="Pass what DistributedLoader.state_dict() returned, unchanged.",
-            )
-        fields[name] = value
-    mine = {
-        "seed": sampler.seed,
-        "shuffle": int(sampler.shuffle),
-        "dataset_len": sampler.dataset_len,
-    }
-    for name, value in mine.items():
-        if fields[name] != value:
-            raise InvalidArgumentError(
-                f"the loader state was saved with {name}={fields[name]}, this loader has "
-                f"{name}={value}: its order of samples is another one, so the position in it "
-                "means nothing here.",
-                hint="Resume with the dataset, seed and shuffle the run started with.",
-            )
-    if fields["consumed"] > sampler.dataset_len:
-        raise InvalidArgumentError(
-            f"the loader state says {fields['consumed']} samples of the epoch were consumed, "
-            f"but the dataset has {sampler.dataset_len}.",
-            hint="Pass what DistributedLoader.state_dict() returned, unchanged.",
-        )
-    return fields["epoch"], fields["consumed"]
