@@ -333,3 +333,36 @@ def test_an_optimizer_of_another_shape_is_refused_naming_the_part(tmp_path: Path
         pytest.raises(CheckpointError, match="optimizer state"),
     ):
         state.resume()
+
+
+def test_a_gradient_scaler_and_an_accumulation_counter_come_back(tmp_path: Path) -> None:
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(1))  # the scale exists from the first use on
+    scaler.update(new_scale=256.0)
+    phase = Counter()  # an accumulation counter: anything with state_dict/load_state_dict
+    phase.count = 3
+    with _state(tmp_path, model, scaler=scaler, accumulation=phase) as state:
+        state.save()
+    fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    fresh_phase = Counter()
+    with _state(tmp_path, _model(), scaler=fresh_scaler, accumulation=fresh_phase) as state:
+        state.resume()
+    assert fresh_scaler.get_scale() == 256.0
+    assert fresh_phase.count == 3
+
+
+def test_an_error_in_the_training_block_is_not_hidden_by_a_failing_last_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    def train_then_fail() -> None:
+        with _state(tmp_path, _model()) as state:
+            monkeypatch.setattr(torch, "save", full)
+            state.save()
+            raise KeyError("the loop's own")
+
+    with pytest.raises(KeyError, match="the loop's own"):
+        train_then_fail()

@@ -233,8 +233,14 @@ class TrainingState:
     def __enter__(self) -> TrainingState:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # the block's own error is the one to see; a failed save is only logged then
+            self.close()
+        except Exception:
+            log.exception("the last save of %s failed too", self.folder)
 
     # --- resuming --------------------------------------------------------------------------
 
