@@ -78,6 +78,8 @@ _EXPORTS: dict[str, str] = {
     "load": "gpukit.checkpoint.api",
     "clean_state_dict": "gpukit.checkpoint.api",
     "LoadReport": "gpukit.checkpoint.report",
+    # training state
+    "TrainingState": "gpukit.train.state",
     # memory
     "memory_report": "gpukit.memory.report",
     "track_peak": "gpukit.memory.peak",

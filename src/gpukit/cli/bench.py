@@ -24,6 +24,7 @@ SUITES: dict[str, str] = {
     "ddp": "gpukit.bench.ddp",
     "train": "gpukit.bench.train",
     "checkpoint": "gpukit.bench.checkpoint",
+    "train_state": "gpukit.bench.train_state",
     "startup": "gpukit.bench.startup",
     "batch_size": "gpukit.bench.batch_size",
     "h2d": "gpukit.bench.h2d",

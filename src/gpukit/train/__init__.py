@@ -10,6 +10,7 @@ from __future__ import annotations
 from gpukit.train.accumulate import Accumulation, AccumulationPlan, plan_accumulation
 from gpukit.train.precision import PRECISIONS, Precision, resolve_precision
 from gpukit.train.scaler import LossScaler
+from gpukit.train.state import Resumed, TrainingState
 from gpukit.train.step import TrainStep, step
 
 __all__ = [
@@ -18,7 +19,9 @@ __all__ = [
     "AccumulationPlan",
     "LossScaler",
     "Precision",
+    "Resumed",
     "TrainStep",
+    "TrainingState",
     "plan_accumulation",
     "resolve_precision",
     "step",
