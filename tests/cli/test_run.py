@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.cli.run import _Status, ddp_command
+from gpukit.cli.run import _Status
+from gpukit.distributed.torchrun import ddp_command
 from gpukit.gpus.claims import claim, current_claims
 from gpukit.gpus.ledger import ledger_name
 from tests.conftest import ROOT, CliRunner

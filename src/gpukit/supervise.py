@@ -1,4 +1,8 @@
-"""Running ``gpukit run``'s command so that every signal reaches it exactly once.
+"""Running a command as this process's child so that every signal reaches it exactly once.
+
+``gpukit run`` runs its command through :func:`supervise`; ``gpukit run --ddp``'s command is
+torchrun, which passes every signal listed in :data:`FORWARDED` on to its workers (see
+:func:`gpukit.distributed.torchrun.ddp_command`).
 
 The command runs in a process group of its own. A signal sent to gpukit's group
 (``kill -TERM -- -PGID``, ``timeout``, a scheduler) or to gpukit alone (``kill PID``) therefore
@@ -30,7 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from gpukit.errors import InvalidArgumentError
 
-# What a user or a scheduler sends to stop, hang up, or ask a job to checkpoint (SIGUSR1).
+# What a user or a scheduler sends to stop, hang up, or ask a job to checkpoint (SIGUSR1,
+# SIGUSR2: Slurm's --signal).
 FORWARDED: tuple[signal.Signals, ...] = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -144,8 +149,8 @@ def _exit_status(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def launch(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Run ``argv`` to its end as gpukit's child, forwarding signals; return its exit status.
+def supervise(argv: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``argv`` to its end as this process's child, forwarding signals; return its status.
 
     The exit status is the command's, or 128+N when signal N ended it.
     """
@@ -165,7 +170,7 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> int:
         proc = _start(argv, env, handed, own_group=True)
         watch = _watchdog(proc.pid)
         try:
-            return _supervise(proc, tty, waited, gave_terminal=handed is not None)
+            return _follow(proc, tty, waited, gave_terminal=handed is not None)
         finally:
             _stand_down(watch)
             if handed is not None:  # the command's group ended: the terminal is gpukit's again
@@ -231,7 +236,7 @@ def _stand_down(watch: tuple[int, int] | None) -> None:
         os.waitpid(pid, 0)
 
 
-def _supervise(
+def _follow(
     proc: subprocess.Popen[bytes],
     tty: int | None,
     waited: set[signal.Signals],
