@@ -7,4 +7,6 @@ one-process script uses them the same way. This package never imports ``gpukit.d
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from gpukit.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption, Requeue
+
+__all__: list[str] = ["PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "Requeue"]
