@@ -357,7 +357,7 @@ def test_gpukit_run_ddp_under_srun_one_task_per_node_joins_the_jobs_rendezvous(
     argv = ddp_command(["python", "train.py"], 4)
     assert argv[1:] == [
         "-m",
-        "torch.distributed.run",
+        "gpukit.distributed.torchrun_agent",
         *dist.torchrun_args(4, fixture("srun-task-per-node-gpukit-run")),
         "train.py",
     ]

@@ -12,7 +12,9 @@ torch's default leaves out SIGUSR1 and SIGUSR2, and one of those, Slurm's usual 
 (``--signal=USR1@90``), killed torchrun and left its workers running without it. gpukit names
 every signal it forwards (:data:`gpukit.supervise.FORWARDED`), so each reaches every worker and
 torchrun lives until they end: after passing a signal on it waits for its workers
-(``--shutdown-timeout``, 30 seconds unless told otherwise) and only then kills the ones left.
+(``--shutdown-timeout``, 30 seconds unless told otherwise) and only then kills the ones left;
+a second signal meanwhile (Slurm's copy of the one gpukit forwards) is passed on too, instead of
+cutting that wait short (:mod:`gpukit.distributed.torchrun_agent`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from gpukit.distributed.environment import (
 from gpukit.errors import DistributedError, InvalidArgumentError
 from gpukit.supervise import FORWARDED
 
-__all__ = ["RESTART_STORE_VAR", "SIGNALS_VAR", "ddp_command", "ddp_env", "torchrun_args"]
+__all__ = ["AGENT", "RESTART_STORE_VAR", "SIGNALS_VAR", "ddp_command", "ddp_env", "torchrun_args"]
 
 _PYTHONS = ("python", "python3")
+AGENT = "gpukit.distributed.torchrun_agent"
+"""The module ``gpukit run --ddp`` runs as torchrun: torchrun, made to act on one signal and
+pass the later ones on (see :mod:`gpukit.distributed.torchrun_agent`)."""
 
 
 def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> list[str]:
@@ -158,7 +163,8 @@ def ddp_env(options: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
 def ddp_command(cmd: Sequence[str], nproc: int, options: Sequence[str] = ()) -> list[str]:
     """``cmd`` under torchrun with ``nproc`` processes on this machine.
 
-    ``python train.py ...`` becomes ``torchrun train.py ...``, ``python -m pkg`` becomes
+    ``python train.py ...`` becomes ``torchrun train.py ...`` (torchrun being
+    :data:`AGENT`), ``python -m pkg`` becomes
     ``torchrun -m pkg``, and any other program (``python -u train.py`` included) runs with
     ``--no-python``. On one machine ``--standalone`` gives each job its own rendezvous port, so
     two jobs on one server do not collide; in a multi-node job the options come from
@@ -172,7 +178,7 @@ def ddp_command(cmd: Sequence[str], nproc: int, options: Sequence[str] = ()) -> 
         DistributedError: the job cannot run this way (see :func:`torchrun_args`).
     """
     _check_torchrun_options(options)
-    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc), *options]
+    launcher = [sys.executable, "-m", AGENT, *torchrun_args(nproc), *options]
     program = os.path.basename(cmd[0])
     # torchrun takes the script or -m, not python's own options (python -u train.py): with
     # those, it runs the whole python command line as a program instead.
