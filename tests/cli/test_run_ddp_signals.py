@@ -74,6 +74,16 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+def _parent(pid: int) -> int | None:
+    """The parent of ``pid`` while it runs, else None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] == "Z" else int(fields[1])
+
+
 def _seen(folder: Path, rank: int) -> list[str]:
     """The signals worker ``rank`` got so far, in order."""
     path = folder / f"seen-{rank}"
@@ -146,3 +156,42 @@ def test_a_second_copy_of_the_signal_to_torchrun_does_not_cut_the_workers_save_s
     # torchrun's agent answered a second signal during its wait with SIGTERM to the workers
     # (and a third by leaving them running): each copy must reach them as what it is.
     _signalled_ddp_run(tmp_path, also_to_torchrun=True)
+
+
+def test_workers_of_a_killed_torchrun_keep_the_claim_until_they_end(tmp_path: Path) -> None:
+    # torchrun killed outright (the OOM killer, kill -9) leaves its workers running: they become
+    # gpukit's children, and the GPUs they use stay claimed.
+    locks = tmp_path / "locks"
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {**os.environ, "GPUKIT_FAKE_NVML": str(L4), "GPUKIT_LOCK_DIR": str(locks)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, "-m", "gpukit", "run", "-n", "2", "--ddp", "--"]
+    gpukit = subprocess.Popen(
+        [*argv, "python", str(script), str(tmp_path)],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ready = [tmp_path / "ready-0", tmp_path / "ready-1"]
+    workers: list[int] = []
+    try:
+        _until(lambda: all(p.exists() and p.read_text() for p in ready))
+        workers = [int(p.read_text().split()[0]) for p in ready]
+        os.kill(int(ready[0].read_text().split()[1]), signal.SIGKILL)
+        _until(lambda: all(_parent(pid) == gpukit.pid for pid in workers))
+        assert gpukit.poll() is None
+        assert len(current_claims(locks)) == 2
+        (tmp_path / "go").touch()
+        assert gpukit.wait(timeout=60) == 128 + signal.SIGKILL  # torchrun's end
+        assert not [pid for pid in workers if _alive(pid)]
+        assert current_claims(locks) == {}
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(gpukit.pid, signal.SIGKILL)
+        gpukit.wait(timeout=30)

@@ -7,10 +7,13 @@ The command runs with ``CUDA_VISIBLE_DEVICES`` set to the chosen GPUs' nvidia-sm
 parent and holds the claims until it exits, passes every signal on to it exactly once (see
 :mod:`gpukit.supervise`), and returns its exit status (128+N when a signal N killed it).
 
+A process the command leaves behind (``cmd &``, torchrun's workers when torchrun is killed)
+becomes gpukit's child (gpukit is their subreaper), and the claims last until it has ended too.
+
 The claims belong to gpukit alone: the lock descriptors are close-on-exec, so the command does
 not inherit them. Were it to inherit them, a command outliving gpukit (gpukit killed with
-SIGKILL, or the command leaving a daemon behind) would keep the GPUs claimed in the name of a
-dead process, with nothing to release them. Instead, on Linux the command is asked to stop
+SIGKILL) would keep the GPUs claimed in the name of a dead process, with nothing to release
+them. Instead, on Linux the command is asked to stop
 (SIGTERM) when gpukit dies, and the claims end with gpukit, at once.
 
 Never imports torch (the command may).
@@ -153,6 +156,17 @@ def _fit(text: str, width: int) -> str:
     return f"{text[:head]}...{text[len(text) - (width - 3 - head) :]}"
 
 
+def _say_leftovers(pids: list[int]) -> None:
+    listed = " ".join(map(str, pids[:10])) + (" ..." if len(pids) > 10 else "")
+    print(
+        f"gpukit run: the command has ended, but {len(pids)} process"
+        f"{'es' if len(pids) != 1 else ''} it started still run{'s' if len(pids) == 1 else ''} "
+        f"(pid {listed}): the GPUs stay claimed until they end (Ctrl-C, or kill, passes on).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _cpu_only(args: argparse.Namespace, argv: list[str], reason: NoDriverError) -> int:
     print(
         f"gpukit run: {reason.message} --cpu-ok: running the command on the CPU "
@@ -161,7 +175,9 @@ def _cpu_only(args: argparse.Namespace, argv: list[str], reason: NoDriverError) 
         flush=True,
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return supervise(argv, ddp_env(args.torchrun_arg, env) if args.ddp else env)
+    return supervise(
+        argv, ddp_env(args.torchrun_arg, env) if args.ddp else env, on_leftovers=_say_leftovers
+    )
 
 
 def _request(args: argparse.Namespace) -> GpuRequest:
@@ -227,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
     with held:
         visible = ",".join(str(i) for i in held.indices)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        code = supervise(argv, ddp_env(args.torchrun_arg, env) if args.ddp else env)
+        code = supervise(
+            argv,
+            ddp_env(args.torchrun_arg, env) if args.ddp else env,
+            on_leftovers=_say_leftovers,
+        )
         held.release(exit_code=code)  # the ledger records how the command ended
         return code

@@ -20,32 +20,15 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from pathlib import Path
 from types import FrameType
+
+from gpukit.supervise import children
 
 __all__ = ["main"]
 
 
-def _children() -> list[int]:
-    """The pids of this process's children (torchrun's workers), from ``/proc``."""
-    me = os.getpid()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after it.
-        fields = stat.rpartition(")")[2].split()
-        if len(fields) > 1 and fields[1] == str(me):
-            found.append(int(entry.name))
-    return found
-
-
 def _pass_on(signum: int) -> None:
-    for pid in _children():
+    for pid in children(os.getpid()):
         try:
             os.killpg(pid, signum)  # torchrun starts each worker in a session of its own
         except ProcessLookupError:
