@@ -170,6 +170,7 @@ def test_installing_outside_the_main_thread_is_a_typed_error() -> None:
         ({"signals": [signal.SIGKILL]}, "no process can handle"),
         ({"signals": [10_000]}, "no signal of this system"),
         ({"signals": [signal.SIGTERM], "requeue_on": [signal.SIGUSR1]}, "not among"),
+        ({"requeue": "no"}, "not True or False"),
     ],
 )
 def test_signals_that_cannot_work_are_refused_when_made(

@@ -46,7 +46,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import InvalidArgumentError, check_bool
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "Requeue"]
 
@@ -102,7 +102,8 @@ class Preemption:
 
     Raises:
         InvalidArgumentError: ``signals`` is empty or not signals, ``requeue_on`` names a
-            signal not in ``signals``, or (from :meth:`install`) not in the main thread.
+            signal not in ``signals``, ``requeue`` is not a bool, or (from :meth:`install`)
+            not in the main thread.
     """
 
     def __init__(
@@ -129,11 +130,13 @@ class Preemption:
                 f"the signals it stops on ({', '.join(s.name for s in self.signals)}).",
                 hint="Add it to signals=..., or leave it out of requeue_on.",
             )
+        check_bool("Preemption(requeue=...)", requeue)
         self.requeue = requeue
         self.group = group
         self._env = env
         self.received: signal.Signals | None = None
-        """The first stop signal this process received (``None``: none yet)."""
+        """The stop signal this process received: the first, or a requeue signal that came
+        after it (``None``: none yet)."""
         self.checks = 0
         """How many times :meth:`should_stop` was called."""
         self._agreed = _NONE
@@ -221,7 +224,7 @@ class Preemption:
             dist.barrier(group=group)  # every rank's part is written before the job is requeued
         requeue = None
         if self._agreed == _REQUEUE and self.requeue:
-            rank = 0 if group is None else dist.get_rank()
+            rank = 0 if group is None else dist.get_rank(group)
             requeue = _requeue(self._env) if rank == 0 else Requeue(False, "asked by rank 0")
         raise Preempted(self.checks, requeue)
 
