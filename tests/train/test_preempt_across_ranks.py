@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,3 +96,39 @@ def test_a_signal_that_came_between_checks_is_acted_on_at_the_next(other: OtherR
     other.run(_signal_before_the_first_check)
     assert _signal_before_the_first_check(0) == 0
     assert other.result() == 0
+
+
+def _requeued_loop(rank: int, folder: str) -> bool:
+    """Rank 1 is signalled at step 2; each rank saves a file of its own, slowly on rank 1."""
+    env = {"SLURM_JOB_ID": "77", "PATH": folder}
+    with Preemption(env=env) as preemption:
+        for step in range(STEPS):
+            if rank == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if preemption.should_stop():
+
+                def save() -> None:
+                    if rank == 1:
+                        time.sleep(0.5)  # a slow rank's part: the requeue must wait for it
+                    Path(folder, f"saved-{rank}").touch()
+
+                try:
+                    preemption.stop(save)
+                except Preempted as stopped:
+                    return stopped.requeue is not None and stopped.requeue.done
+    return False
+
+
+def test_the_job_is_requeued_once_by_rank_0_after_every_rank_has_saved(
+    other: OtherRank, tmp_path: Path
+) -> None:
+    # A fake scontrol notes its arguments and which ranks' saves existed when it was called.
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(
+        f'#!/bin/sh\ncd {tmp_path} && echo "$* $(ls saved-* | tr "\\n" " ")" >> calls\n'
+    )
+    scontrol.chmod(0o755)
+    other.run(_requeued_loop, str(tmp_path))
+    assert _requeued_loop(0, str(tmp_path))
+    assert not other.result()  # rank 1 asked no one: rank 0 did
+    assert (tmp_path / "calls").read_text().split() == ["requeue", "77", "saved-0", "saved-1"]
