@@ -263,14 +263,19 @@ def _outlive_leftovers(
     turn and are waited for too.
     """
     told = False
+    last: tuple[int, int, float] | None = None
     while left := [pid for pid in children(os.getpid()) if pid not in known]:
         if not told and on_leftovers is not None:
             on_leftovers(left)
         told = True
         info = signal.sigtimedwait(waited, 0.25)
         if info is not None and info.si_signo in FORWARDED:
-            for pid in left:
-                _signal_group_of(pid, info.si_signo)
+            now = time.monotonic()
+            again = last is not None and last[:2] == (info.si_signo, info.si_pid)
+            if not (again and last is not None and now - last[2] < _REPEAT_S):  # timeout's two
+                for pid in left:
+                    _signal_group_of(pid, info.si_signo)
+            last = (info.si_signo, info.si_pid, now)
         for pid in left:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
