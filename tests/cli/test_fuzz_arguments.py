@@ -87,7 +87,7 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         "time",
         SimpleNamespace(sleep=stop_watching, strftime=time.strftime, localtime=time.localtime),
     )
-    monkeypatch.setattr(run_cmd, "launch", lambda argv, env: 0)
+    monkeypatch.setattr(run_cmd, "supervise", lambda argv, env, **_: 0)
 
     def no_wait(*args: Any, poll: float, timeout: float | None, **kwargs: Any) -> Any:
         _as_sleep_would(poll)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.cli.run import _Status, ddp_command
+from gpukit.cli.run import _Status
+from gpukit.distributed.torchrun import AGENT, ddp_command
 from gpukit.sharing.claims import claim, current_claims
 from gpukit.sharing.ledger import ledger_name
 from tests.helpers import MACHINES, ROOT, CliRunner
@@ -293,7 +294,7 @@ def test_16_concurrent_waiters_never_share_a_gpu_and_all_finish(
 
 def test_ddp_runs_the_script_under_torchrun_with_one_process_per_gpu() -> None:
     argv = ddp_command(["python", "train.py", "--lr", "1"], 4)
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    launcher = ["-m", AGENT, "--standalone", "--nproc-per-node=4"]
     assert argv[1:] == [*launcher, "train.py", "--lr", "1"]
     assert ddp_command(["python", "-m", "pkg.train"], 2)[-2:] == ["-m", "pkg.train"]
     assert ddp_command(["./train.sh"], 2)[-2:] == ["--no-python", "./train.sh"]

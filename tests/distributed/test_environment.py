@@ -350,14 +350,14 @@ def test_init_refuses_a_local_rank_beyond_the_gpus_cuda_counts(
 def test_gpukit_run_ddp_under_srun_one_task_per_node_joins_the_jobs_rendezvous(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpukit.cli.run import ddp_command
+    from gpukit.distributed.torchrun import ddp_command
 
     for key, value in fixture("srun-task-per-node-gpukit-run").items():
         monkeypatch.setenv(key, value)
     argv = ddp_command(["python", "train.py"], 4)
     assert argv[1:] == [
         "-m",
-        "torch.distributed.run",
+        "gpukit.distributed.torchrun_agent",
         *dist.torchrun_args(4, fixture("srun-task-per-node-gpukit-run")),
         "train.py",
     ]

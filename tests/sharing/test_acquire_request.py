@@ -73,7 +73,7 @@ def test_gpukit_run_checks_its_request_once_and_reads_the_machine_once(
 ) -> None:
     monkeypatch.setenv("GPUKIT_FAKE_NVML", str(A100))
     shared_folder(locks)  # the lock folder exists, as after a machine's first claim
-    monkeypatch.setattr(run_cmd, "launch", lambda argv, env: 0)
+    monkeypatch.setattr(run_cmd, "supervise", lambda argv, env, **_: 0)
     make = Criteria.make.__func__  # type: ignore[attr-defined]
     made: list[object] = []
 

@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "data_parallel": "gpukit.bench.data_parallel",
     "ddp": "gpukit.bench.ddp",
     "train": "gpukit.bench.train",
+    "preempt": "gpukit.bench.preempt",
     "checkpoint": "gpukit.bench.checkpoint",
     "train_state": "gpukit.bench.train_state",
     "startup": "gpukit.bench.startup",

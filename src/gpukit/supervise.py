@@ -1,4 +1,8 @@
-"""Running ``gpukit run``'s command so that every signal reaches it exactly once.
+"""Running a command as this process's child so that every signal reaches it exactly once.
+
+``gpukit run`` runs its command through :func:`supervise`; ``gpukit run --ddp``'s command is
+torchrun, which passes every signal listed in :data:`FORWARDED` on to its workers (see
+:func:`gpukit.distributed.torchrun.ddp_command`).
 
 The command runs in a process group of its own. A signal sent to gpukit's group
 (``kill -TERM -- -PGID``, ``timeout``, a scheduler) or to gpukit alone (``kill PID``) therefore
@@ -30,7 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from gpukit.errors import InvalidArgumentError
 
-# What a user or a scheduler sends to stop, hang up, or ask a job to checkpoint (SIGUSR1).
+# What a user or a scheduler sends to stop, hang up, or ask a job to checkpoint (SIGUSR1,
+# SIGUSR2: Slurm's --signal).
 FORWARDED: tuple[signal.Signals, ...] = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -84,17 +89,23 @@ def _give_terminal(tty: int | None, pgid: int) -> None:
         os.tcsetpgrp(tty, pgid)
 
 
+def _prctl() -> Callable[..., int] | None:
+    """Linux's prctl(2), or ``None`` elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
 def _child_setup(tty: int | None, own_group: bool) -> Callable[[], None]:
     """A function for the child, run between fork and exec: own group, terminal, signals."""
     parent = os.getpid()
-    prctl = None
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            prctl = None
+    prctl = _prctl()
 
     def setup() -> None:
         if own_group:
@@ -144,10 +155,20 @@ def _exit_status(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def launch(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Run ``argv`` to its end as gpukit's child, forwarding signals; return its exit status.
+def supervise(
+    argv: Sequence[str],
+    env: dict[str, str],
+    *,
+    on_leftovers: Callable[[list[int]], None] | None = None,
+) -> int:
+    """Run ``argv`` to its end as this process's child, forwarding signals; return its status.
 
-    The exit status is the command's, or 128+N when signal N ended it.
+    The exit status is the command's, or 128+N when signal N ended it. On Linux this process
+    is the reaper of the command's orphans (``PR_SET_CHILD_SUBREAPER``): a process the command
+    started and left behind (``cmd &``, or torchrun's workers when torchrun is killed) becomes
+    this process's child instead of init's, and ``supervise`` returns only once every such
+    process has ended too, passing signals on to them meanwhile; ``on_leftovers`` is told their
+    pids once, when the command itself has ended before them.
     """
     if not hasattr(signal, "sigtimedwait"):
         # Without synchronous signal reading (not Linux), the command stays in gpukit's group
@@ -160,22 +181,114 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> int:
     waited = {*FORWARDED, signal.SIGCHLD, signal.SIGCONT}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     tty = _controlling_terminal()
+    ours = set(children(os.getpid()))  # this process's own children, not the command's
     try:
-        handed = tty if _foreground(tty) else None
-        proc = _start(argv, env, handed, own_group=True)
-        watch = _watchdog(proc.pid)
-        try:
-            return _supervise(proc, tty, waited, gave_terminal=handed is not None)
-        finally:
-            _stand_down(watch)
-            if handed is not None:  # the command's group ended: the terminal is gpukit's again
-                with contextlib.suppress(OSError):
-                    if os.tcgetpgrp(handed) == proc.pid:
-                        _give_terminal(handed, os.getpgrp())
+        with _subreaper() as reaping:
+            handed = tty if _foreground(tty) else None
+            proc = _start(argv, env, handed, own_group=True)
+            watch = _watchdog(proc.pid)
+            try:
+                code = _follow(proc, tty, waited, gave_terminal=handed is not None)
+                if reaping:
+                    known = ours | ({watch[0]} if watch is not None else set())
+                    _outlive_leftovers(waited, known, on_leftovers)
+                return code
+            finally:
+                _stand_down(watch)
+                if handed is not None:  # the command's group ended: the terminal is ours again
+                    with contextlib.suppress(OSError):
+                        if os.tcgetpgrp(handed) == proc.pid:
+                            _give_terminal(handed, os.getpgrp())
     finally:
         if tty is not None:
             os.close(tty)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of process ``pid``'s children, from ``/proc`` (empty where it cannot be read)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it.
+        fields = stat.rpartition(b")")[2].split()
+        if len(fields) > 1 and fields[1] == str(pid).encode():
+            found.append(int(entry))
+    return found
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+@contextlib.contextmanager
+def _subreaper() -> Iterator[bool]:
+    """Make this process the reaper of its orphaned descendants while inside; True if it is."""
+    prctl = _prctl()
+    if prctl is None:
+        yield False
+        return
+    import ctypes
+
+    before = ctypes.c_int(0)
+    prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0)
+    if prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        prctl(_PR_SET_CHILD_SUBREAPER, before.value, 0, 0, 0)
+
+
+def _outlive_leftovers(
+    waited: set[signal.Signals],
+    known: set[int],
+    on_leftovers: Callable[[list[int]], None] | None,
+) -> None:
+    """Wait until every process the command left behind has ended, passing signals on to them.
+
+    They are this process's children now (it is their reaper); ``known`` are the children it
+    had anyway (the watchdog). Each is reaped as it ends; its own orphans become children in
+    turn and are waited for too.
+    """
+    told = False
+    last: tuple[int, int, float] | None = None
+    while left := [pid for pid in children(os.getpid()) if pid not in known]:
+        if not told and on_leftovers is not None:
+            on_leftovers(left)
+        told = True
+        info = signal.sigtimedwait(waited, 0.25)
+        if info is not None and info.si_signo in FORWARDED:
+            now = time.monotonic()
+            again = last is not None and last[:2] == (info.si_signo, info.si_pid)
+            if not (again and last is not None and now - last[2] < _REPEAT_S):  # timeout's two
+                for pid in left:
+                    _signal_group_of(pid, info.si_signo)
+            last = (info.si_signo, info.si_pid, now)
+        for pid in left:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
+
+def _signal_group_of(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group of ``pid`` (to ``pid`` alone if that is ours)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        group = os.getpgid(pid)
+        if group == os.getpgrp():
+            os.kill(pid, signum)
+        else:
+            os.killpg(group, signum)
 
 
 def _watchdog(pgid: int) -> tuple[int, int] | None:
@@ -231,7 +344,7 @@ def _stand_down(watch: tuple[int, int] | None) -> None:
         os.waitpid(pid, 0)
 
 
-def _supervise(
+def _follow(
     proc: subprocess.Popen[bytes],
     tty: int | None,
     waited: set[signal.Signals],
