@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gpus",),  # below devices: devices.py asks gpus/visible.py whether CUDA has started
     ("sharing",),
     ("devices", "_tree"),
-    ("transfer", "repro", "sysinfo"),
+    ("transfer", "repro", "sysinfo", "supervise"),  # supervise: processes, not GPUs or torch
     ("parallel", "memory"),
     ("checkpoint",),  # above parallel: a checkpoint of a DataParallel model is unwrapped
     ("train",),
