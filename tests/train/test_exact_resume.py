@@ -89,6 +89,26 @@ def test_one_process_resumed_on_three_ends_within_1e_12_of_the_whole_run(
         assert _farthest(finished, one["plain"]) <= 1e-12
 
 
+def test_runs_accumulating_micro_batches_interrupted_mid_step_end_bitwise_as_the_whole_run(
+    one: dict[str, Any], two: dict[str, Any]
+) -> None:
+    # Each stop dies between the micro-batches of a step: the resume takes the last save, made
+    # after an optimizer step, and does those micro-batches again.
+    assert one["accumulated_cut"] == one["accumulated"]
+    assert two["rank0"]["accumulated_cut"] == two["rank0"]["accumulated"]
+    assert two["rank1"]["accumulated_cut"] == two["rank0"]["accumulated"]
+
+
+def test_an_accumulating_run_of_two_processes_resumed_on_one_ends_within_1e_12(
+    one: dict[str, Any], two: dict[str, Any]
+) -> None:
+    folder = str(two["root"] / "world2" / "acc-handoff")
+    finished = workload.finish(folder, **workload.ACCUMULATED)
+    assert finished is not None
+    assert _farthest(finished, one["accumulated_plain"]) <= 1e-12
+    assert _farthest(two["rank0"]["accumulated_plain"], one["accumulated_plain"]) <= 1e-12
+
+
 def _farthest(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b, strict=True))

@@ -83,11 +83,15 @@ def segment(
     restore_rng: bool = True,
     save_every: int = SAVE_EVERY,
     progress: Callable[[int], None] | None = None,
+    accumulate: int = 1,
 ) -> list[float] | None:
     """One start of the run: resume, train to ``stop_at`` (then die) or to the end.
 
     ``noise`` scales each rank's loss by a number drawn from its own NumPy and Python streams
-    (a rank-specific extra); ``progress`` is called with the step after each save.
+    (a rank-specific extra); ``progress`` is called with the step after each save. With
+    ``accumulate`` > 1 each optimizer step takes that many micro-batches through ``dist.step``,
+    and a run stopped at ``stop_at`` dies in the middle of the next step's micro-batches, with
+    gradients accumulated that no save holds.
     """
     torch.use_deterministic_algorithms(True)
     rank = dist.rank()
@@ -109,7 +113,9 @@ def segment(
         # importing torch again every epoch.
         multiprocessing_context="fork" if num_workers else None,
     )
-    model, opt, loader = dist.prepare(model, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7)
+    model, opt, loader = dist.prepare(
+        model, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, accumulate=accumulate
+    )
     drawn = Noise()
     state = TrainingState(
         folder,
@@ -119,6 +125,7 @@ def segment(
         loader=loader,
         rank_extras={"noise": drawn},  # each rank draws its own: saved by each rank
     )
+    dying = False
     with state:
         if restore_rng:
             state.resume()
@@ -133,13 +140,22 @@ def segment(
                 loss = nn.functional.mse_loss(model(x), y)
                 if noise:
                     loss = loss * (1 + 1e-3 * drawn.draw())
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                if accumulate > 1:
+                    stepped = dist.step(loss)
+                    if dying:
+                        return None  # dies in the next step (between its micro-batches if any)
+                    if not stepped:
+                        continue
+                else:
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
                 sched.step()
                 state.step += 1
                 if state.step == stop_at:
-                    return None  # dies here: what was not saved is lost
+                    if accumulate == 1:
+                        return None  # dies here: what was not saved is lost
+                    dying = True
                 if state.step % save_every == 0:
                     state.save()
                     if progress is not None:
@@ -156,6 +172,7 @@ def segments(folder: str, stops: list[int], **options: Any) -> list[float] | Non
 
 EXACT: dict[str, Any] = {}  # dropout and per-rank noise: bitwise on the same world size
 PLAIN: dict[str, Any] = {"dropout": 0.0, "noise": False}  # no per-sample randomness
+ACCUMULATED: dict[str, Any] = {"accumulate": 3, "num_workers": 0}  # 3 micro-batches a step
 """What a run must be for its weights not to depend on the world size (see docs/distributed.md):
 nothing drawn per sample from a rank's own random streams."""
 
@@ -171,9 +188,14 @@ def cases(root: str, stops: list[int], handoff: int) -> dict[str, Any]:
         "plain": segment(str(base / "plain"), **PLAIN),
     }
     assert segment(str(base / "handoff"), handoff, **PLAIN) is None
+    # 3 micro-batches of GLOBAL_BATCH / 3 samples: one and two processes share them evenly.
+    found["accumulated"] = segment(str(base / "acc-whole"), **ACCUMULATED)
+    found["accumulated_cut"] = segments(str(base / "acc-cut"), stops, **ACCUMULATED)
+    found["accumulated_plain"] = segment(str(base / "acc-plain"), **PLAIN, **ACCUMULATED)
+    assert segment(str(base / "acc-handoff"), handoff, **PLAIN, **ACCUMULATED) is None
     return found
 
 
-def finish(folder: str) -> list[float] | None:
+def finish(folder: str, **options: Any) -> list[float] | None:
     """The PLAIN run resumed from ``folder`` (saved by another number of processes), to the end."""
-    return segment(folder, **PLAIN)
+    return segment(folder, **PLAIN, **options)
