@@ -73,6 +73,33 @@ def test_stop_saves_an_object_with_a_save_method() -> None:
     assert state.saves == 1
 
 
+def test_stop_waits_for_a_real_training_states_asynchronous_save_to_be_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from torch import nn
+
+    from gpukit.train import state as state_module
+    from gpukit.train.saves import newest
+
+    run = state_module.SaveJob.run
+
+    def slow_write(job: object) -> object:
+        time.sleep(0.5)  # a write still going on when stop() would requeue the job
+        return run(job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state_module.SaveJob, "run", slow_write)
+    state = state_module.TrainingState(tmp_path, model=nn.Linear(2, 2))
+    state.step = 7
+    with state:
+        with Preemption(env={}) as preemption, pytest.raises(Preempted):
+            preemption.stop(state)
+        info, _ = newest(tmp_path)  # before the state's close, which would wait too
+        assert info is not None
+        assert info.step == 7
+
+
 def test_a_requeue_signal_under_slurm_requeues_this_job_through_scontrol(tmp_path: Path) -> None:
     bin_dir = _fake_scontrol(tmp_path / "bin")
     env = {"SLURM_JOB_ID": "4242", "PATH": str(bin_dir)}

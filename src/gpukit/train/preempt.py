@@ -207,8 +207,9 @@ class Preemption:
     def stop(self, save: Callable[[], object] | _Saves | None) -> NoReturn:
         """Save, requeue the job if a requeue signal stopped it, and raise :class:`Preempted`.
 
-        ``save`` is a callable or an object with a ``save()`` method (the training state), run
-        on every rank in this (the loop's) thread; ``None`` saves nothing. Every rank must call
+        ``save`` is a callable or an object with a ``save()`` method (the training state, whose
+        asynchronous save is waited for), run on every rank in this (the loop's) thread; ``None``
+        saves nothing. Every rank must call
         this after :meth:`should_stop` said True, so that the save and the requeue happen once
         for the whole job.
 
@@ -219,6 +220,10 @@ class Preemption:
             save()
         elif save is not None:
             save.save()
+            # An asynchronous save (gk.TrainingState) must be on disk before the requeue.
+            wait = getattr(save, "wait", None)
+            if callable(wait):
+                wait()
         group = self._group()
         if group is not None:
             dist.barrier(group=group)  # every rank's part is written before the job is requeued
