@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpukit.train import saves
 from tests.cluster.conftest import SCRIPTS, assert_ok, assert_one_training, job_env
 from tests.cluster.slurm import Cluster
 
@@ -51,7 +52,7 @@ def test_a_job_signalled_mid_epoch_saves_is_requeued_resumes_and_trains_like_one
     _until("the first run's arrival mid-epoch", (tmp_path / "waiting").exists, 180)
     # What --signal=USR1@90 sends 90 s before the time limit, sent now.
     assert_ok(one_node.run("scancel", "--signal=USR1", job))
-    _until("the save", (tmp_path / "state.pt").exists, 120)
+    _until("the save", lambda: saves.newest(tmp_path / "state")[0] is not None, 120)
     # Requeued by the job itself (scontrol requeue): Slurm holds a requeued job back for a
     # while (its begin time); let it start at once.
     _until("the requeue", lambda: one_node.job_state(job) == "PENDING", 120)
@@ -65,6 +66,6 @@ def test_a_job_signalled_mid_epoch_saves_is_requeued_resumes_and_trains_like_one
     assert one_node.job_state(job) == "COMPLETED", log
     stopped = [json.loads((tmp_path / f"stopped-rank{r}.json").read_text()) for r in (0, 1)]
     assert stopped[0] == stopped[1], "the ranks stopped at different steps"
-    assert stopped[0]["at"] == [0, 4]  # the step the signal came at: mid-epoch
+    assert stopped[0]["at"] == [0, 5]  # the step the signal came at: mid-epoch
     results = assert_one_training(tmp_path, 2, single_weights, source="torchrun")
     assert {tuple(r["resumed_at"]) for r in results} == {(0, 5)}
