@@ -18,6 +18,7 @@ from gpukit.distributed.data import (
 )
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
+from gpukit.train.shard import ShardPolicy, is_sharded, shard_model
 from gpukit.transfer import to_device
 
 M = TypeVar("M", bound=nn.Module)
@@ -27,7 +28,7 @@ __all__ = ["prepare"]
 
 
 def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any]) -> Any:
-    if isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel) or is_sharded(model):
         return model
     model = to_device(model, ctx.device)
     if ctx.world_size == 1:
@@ -80,6 +81,7 @@ def prepare(
     global_batch_size: int | None = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, Opt]: ...
 @overload
 def prepare(
@@ -91,6 +93,7 @@ def prepare(
     global_batch_size: int | None = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
 @overload
 def prepare(
@@ -102,6 +105,7 @@ def prepare(
     global_batch_size: int | None = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 @overload
 def prepare(
@@ -113,6 +117,7 @@ def prepare(
     global_batch_size: int | None = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 def prepare(
     model: nn.Module,
@@ -123,6 +128,7 @@ def prepare(
     global_batch_size: int | None = None,
     seed: int = 0,
     ddp_kwargs: Mapping[str, Any] | None = None,
+    shard: ShardPolicy = False,
 ) -> Any:
     """Move the model (and DDP-wrap it when there are several processes), shard the loader.
 
@@ -136,10 +142,20 @@ def prepare(
     N processes end with the same weights as one, whatever the dataset's size; in the last
     step of an epoch a process may get fewer samples than the others, or an empty batch.
 
+    ``shard=True`` (or module classes, or a function of a module: see
+    :mod:`gpukit.train.shard`) shards the model with FSDP2 instead of copying it with DDP: each
+    process holds 1/N of the parameters, gradients and optimizer state, and the gradients are
+    weighed the same way, so the promise above holds. The optimizer is moved onto the sharded
+    parameters.
+
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
+    >>> model, opt = prepare(model, opt, shard=True)  # doctest: +SKIP
     """
     _check_objects(model, optimizer, loader)
     ctx = _ready()
+    if shard is not False:  # FSDP2 in place of DDP (train/shard.py)
+        weight = SampleWeights(ctx.world_size).weight
+        model = shard_model(model, shard, device=ctx.device, weight=weight, optimizer=optimizer)
     out: list[Any] = [_prepare_model(model, ctx, ddp_kwargs or {})]
     if optimizer is not None:
         out.append(_prepare_optimizer(optimizer, ctx))

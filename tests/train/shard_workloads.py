@@ -1,0 +1,108 @@
+"""Training jobs the sharding tests run in 1, 2 or 4 processes (module level: ranks import them).
+
+The model has a stack of repeated blocks whose sizes no world size divides (7 rows: FSDP pads
+the last rank's shard), a dataset of 97 samples in global batches of 8 (the last batch holds one
+sample, so some ranks get none), and AdamW, whose moments amplify any difference in a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpukit import distributed as dist
+
+SAMPLES = 97
+GLOBAL_BATCH = 8
+EPOCHS = 2
+
+
+class Block(nn.Module):
+    """One repeated layer of the stack, as a transformer repeats its blocks."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class Stack(nn.Module):
+    """An input layer, three blocks, an output layer."""
+
+    def __init__(self, width: int = 7) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(3))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def data(samples: int = SAMPLES) -> TensorDataset:
+    """Inputs and a noisy linear target, in float64."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(samples, 4, generator=gen, dtype=torch.float64)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64)
+    return TensorDataset(x, y + 0.1 * torch.randn(samples, 1, generator=gen, dtype=torch.float64))
+
+
+def model() -> Stack:
+    """The same float64 model in every process."""
+    torch.manual_seed(0)
+    return Stack().double()
+
+
+def full_weights(net: nn.Module) -> dict[str, list[float]]:
+    """Every parameter, whole (gathered where sharded), flattened: the same keys in any run."""
+    out: dict[str, list[float]] = {}
+    for name, param in net.named_parameters():
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.flatten().tolist()
+    return out
+
+
+def train(_rank: int = 0, shard: Any = True) -> dict[str, list[float]]:
+    """Train with AdamW on GLOBAL_BATCH samples a step, whatever the world size; final weights."""
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    net, opt, loader = dist.prepare(
+        net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=shard
+    )
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return full_weights(net)
+
+
+def local_sizes(_rank: int = 0) -> dict[str, int]:
+    """How many elements of each parameter this rank holds after prepare(..., shard=True)."""
+    net = dist.prepare(model(), shard=True)
+    return {name: p.to_local().numel() for name, p in net.named_parameters()}
+
+
+def refusal_of_a_resumed_optimizer(_rank: int = 0) -> str:
+    """The message prepare() gives for an optimizer that already holds moments."""
+    net = model()
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.zeros(1, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    try:
+        dist.prepare(net, opt, shard=True)
+    except Exception as exc:  # the test checks the type by name: it crosses a process boundary
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
