@@ -106,3 +106,28 @@ def refusal_of_a_resumed_optimizer(_rank: int = 0) -> str:
     except Exception as exc:  # the test checks the type by name: it crosses a process boundary
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def bumped(net: nn.Module, by: float = 1.0) -> nn.Module:
+    """Move every parameter by ``by``: weights no fresh model has, to tell a load happened."""
+    with torch.no_grad():
+        for param in net.parameters():
+            param.add_(by)
+    return net
+
+
+def save_sharded(_rank: int, path: str, max_shard_size: Any = None) -> str:
+    """Shard the bumped model over the group and gk.save it to ``path``."""
+    import gpukit as gk
+
+    net = bumped(dist.prepare(model(), shard=True))
+    return str(gk.save(net, path, max_shard_size=max_shard_size))
+
+
+def load_sharded(_rank: int, path: str) -> dict[str, list[float]]:
+    """gk.load ``path`` into a fresh model sharded over the group; its full weights."""
+    import gpukit as gk
+
+    net = dist.prepare(model(), shard=True)
+    gk.load(net, path)
+    return full_weights(net)
