@@ -131,3 +131,46 @@ def load_sharded(_rank: int, path: str) -> dict[str, list[float]]:
     net = dist.prepare(model(), shard=True)
     gk.load(net, path)
     return full_weights(net)
+
+
+def save_training_state(_rank: int, path: str) -> str:
+    """gk.save a dict of the sharded model, its AdamW after one step, and a step count."""
+    import gpukit as gk
+
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    net, opt = dist.prepare(net, opt, shard=True)
+    x, y = data()[:8]
+    nn.functional.mse_loss(net(x), y).backward()
+    opt.step()
+    return str(gk.save({"model": net, "optimizer": opt, "step": 1}, path))
+
+
+def load_error(_rank: int, path: str, width: int = 5) -> str:
+    """The error gk.load gives loading ``path`` into a sharded model of another width."""
+    import gpukit as gk
+
+    torch.manual_seed(0)
+    net = dist.prepare(Stack(width).double(), shard=True)
+    try:
+        gk.load(net, path)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def save_error(_rank: int, path: str) -> str:
+    """The error gk.save gives for a sharded model saved where it may not write."""
+    import gpukit as gk
+
+    net = dist.prepare(model(), shard=True)
+    try:
+        gk.save(net, path)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def four_processes(_: Any, folder: str) -> dict[str, Any]:
+    """In each of four processes: train sharded, and load a DCP folder two processes saved."""
+    return {"weights": train(), "loaded": load_sharded(0, folder)}

@@ -378,8 +378,17 @@ def _plan(
         weights_at_top_level=found.top_level,
     )
     if strict and not report.ok:
-        raise mismatch_error(report, type(model).__name__)
+        raise mismatch_error(report, _class_name(model))
     return raw, plan, report
+
+
+def _class_name(model: nn.Module) -> str:
+    """The model's own class name, not the FSDP<Name> class fully_shard swaps in."""
+    cls = type(model)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        return bases[1].__name__
+    return cls.__name__
 
 
 def _local_device(model: nn.Module) -> torch.device:
