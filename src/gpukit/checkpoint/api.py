@@ -255,7 +255,11 @@ def save(
     """
     if is_sharded_model(obj):  # every rank writes its own part: checkpoint/sharded_model.py
         return save_sharded(
-            obj, Path(path), metadata=_user_metadata(metadata), max_shard_size=max_shard_size
+            obj,
+            Path(path),
+            metadata=_user_metadata(metadata),
+            max_shard_size=max_shard_size,
+            save_file=save,
         )
     planned = check_save_target(Path(path), max_shard_size)
     target, fmt, sharded = planned.path, planned.format, planned.format == SHARDED

@@ -293,10 +293,10 @@ def _export(model: nn.Module, path: Path, limit: int, metadata: Mapping[str, Any
     _in_folder(path, fill)
 
 
-def _save_file(model: nn.Module, path: Path, metadata: Mapping[str, Any]) -> None:
+def _save_file(
+    model: nn.Module, path: Path, metadata: Mapping[str, Any], save: Callable[..., Path]
+) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from gpukit.checkpoint.api import save
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=options)  # on rank 0 only
@@ -309,8 +309,12 @@ def save_sharded(
     *,
     metadata: Mapping[str, Any],
     max_shard_size: int | str | None,
+    save_file: Callable[..., Path],
 ) -> Path:
     """Save a sharded model (or a dict holding one) from every rank; see the module's summary.
+
+    ``save_file(state_dict, path, metadata=...)`` is gk.save itself, which rank 0 calls to
+    write the gathered weights as one file.
 
     Raises:
         InvalidArgumentError: a dict asked of a one-file or safetensors layout, or two models.
@@ -333,7 +337,7 @@ def save_sharded(
                 hint="Drop max_shard_size, or name the folder without a suffix.",
             )
         if names_a_file:
-            _save_file(obj, path, metadata)
+            _save_file(obj, path, metadata, save_file)
         else:
             _export(obj, path, parse_shard_size(max_shard_size), metadata)
         return path
