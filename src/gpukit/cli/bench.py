@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "transfer": "gpukit.bench.transfer",
     "data_parallel": "gpukit.bench.data_parallel",
     "ddp": "gpukit.bench.ddp",
+    "shard": "gpukit.bench.shard",
     "checkpoint": "gpukit.bench.checkpoint",
     "startup": "gpukit.bench.startup",
     "batch_size": "gpukit.bench.batch_size",
