@@ -61,5 +61,6 @@ def test_the_shard_suite_finds_each_of_two_processes_holding_half_the_tensors_of
     results = {r.name: r for r in shard.run(quick=True)}
     tensors = "parameters + gradients + optimizer state per process"
     assert results[f"sharded, 1 process: {tensors}"].ratio == 1.0
-    # 4 blocks of 256 x 256 + 256 float32 split 128 + 128 rows: exactly half, no padding.
-    assert results[f"sharded, 2 processes: {tensors}"].ratio == 0.5
+    # 4 blocks of 256 x 256 + 256 float32 split 128 + 128 rows: half, but for AdamW's step
+    # counters (one 8-byte scalar per parameter, held whole by every process).
+    assert results[f"sharded, 2 processes: {tensors}"].ratio == pytest.approx(0.5, abs=1e-5)
