@@ -174,3 +174,12 @@ def save_error(_rank: int, path: str) -> str:
 def four_processes(_: Any, folder: str) -> dict[str, Any]:
     """In each of four processes: train sharded, and load a DCP folder two processes saved."""
     return {"weights": train(), "loaded": load_sharded(0, folder)}
+
+
+def cuda_bytes_after_prepare(_: Any = None) -> dict[str, Any]:
+    """On a GPU process: the CUDA bytes the sharded model holds, and where its rows live."""
+    big = nn.Sequential(*(Block(1024) for _ in range(4)))  # 16 MiB of float32 parameters
+    net = dist.prepare(big, shard=True)
+    torch.cuda.synchronize()
+    local = next(iter(net.parameters())).to_local()
+    return {"allocated": torch.cuda.memory_allocated(), "device": str(local.device)}
