@@ -99,10 +99,11 @@ def test_prepare_refuses_a_loader_without_an_explicit_batch_size() -> None:
         dist.prepare(nn.Linear(1, 1), loader=_ids_loader(8))
 
 
-def test_prepare_refuses_both_batch_sizes_at_once() -> None:
-    with pytest.raises(InvalidArgumentError, match="both"):
+def test_prepare_refuses_two_batch_sizes_that_are_no_whole_number_of_micro_batches() -> None:
+    # Both sizes together mean micro-batches (gradient accumulation): 4 is no multiple of 3.
+    with pytest.raises(InvalidArgumentError, match="whole number of micro-batches"):
         dist.prepare(
-            nn.Linear(1, 1), loader=_ids_loader(8), per_device_batch_size=2, global_batch_size=4
+            nn.Linear(1, 1), loader=_ids_loader(8), per_device_batch_size=3, global_batch_size=4
         )
 
 

@@ -67,12 +67,8 @@ EXACTLY_ONE = (
     ("sizes", "message"),
     [
         ({}, "prepare() got a loader and neither per_device_batch_size nor global_batch_size."),
-        (
-            {"per_device_batch_size": 2, "global_batch_size": 4},
-            "prepare() got a loader and both per_device_batch_size and global_batch_size.",
-        ),
     ],
-    ids=["neither", "both"],
+    ids=["neither"],  # both together are a micro-batch and its global batch (accumulation)
 )
 def test_a_loader_needs_exactly_one_batch_size_and_the_error_explains_both(
     sizes: dict[str, int], message: str

@@ -30,6 +30,8 @@ from gpukit.devices import try_all_gpus
 from gpukit.errors import InvalidArgumentError
 from gpukit.parallel.data_parallel import DataParallel
 from gpukit.repro import seed_everything
+from gpukit.train.precision import autocast_forward, resolve_precision
+from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 
 __all__ = ["DemoConfig", "DemoEvent", "DemoResult", "DigitsNet", "default_devices", "run_demo"]
@@ -48,9 +50,11 @@ class DemoConfig:
     lr: float = 3e-3
     seed: int = 0
     checkpoint: str | None = None  # None: a temporary file, removed afterwards
+    precision: str = "fp32"  # or "auto", "bf16-mixed", "fp16-mixed" (gk.train.resolve_precision)
+    accumulate: int = 1  # micro-batches per optimizer step, each batch cut into this many
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size"):
+        for name in ("epochs", "batch_size", "accumulate"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(
                     f"{name}={getattr(self, name)} must be at least 1.",
@@ -58,6 +62,12 @@ class DemoConfig:
                 )
         if not self.lr > 0:
             raise InvalidArgumentError(f"lr={self.lr} must be positive.", hint="Try 3e-3.")
+        if self.accumulate > self.batch_size:
+            raise InvalidArgumentError(
+                f"accumulate={self.accumulate} cuts a batch of {self.batch_size} into more "
+                "micro-batches than it has samples.",
+                hint=f"Pass --accumulate {self.batch_size} or less, or a larger --batch-size.",
+            )
 
 
 @dataclass(frozen=True)
@@ -198,11 +208,14 @@ def run_demo(
 def _train(
     config: DemoConfig, devices: list[torch.device], emit: Callable[[DemoEvent], None]
 ) -> DemoResult:
+    precision = resolve_precision(config.precision, devices[0])  # refused before any work
     x_train, y_train, x_test, y_test = _load_digits(config.seed)
     net = DigitsNet().to(devices[0])
     model = DataParallel(net, device_ids=[str(d) for d in devices])
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     loss_fn = nn.CrossEntropyLoss()
+    autocast_forward(model, precision)
+    train_step = TrainStep(model, optimizer, precision=precision, accumulate=config.accumulate)
     steps_per_epoch = -(-len(y_train) // config.batch_size)
     emit(
         DemoEvent(
@@ -213,6 +226,8 @@ def _train(
                 "test_samples": len(y_test),
                 "epochs": config.epochs,
                 "batch_size": config.batch_size,
+                "precision": precision.name,
+                "accumulate": config.accumulate,
                 "steps": steps_per_epoch * config.epochs,
                 "parameters": sum(p.numel() for p in net.parameters()),
             },
@@ -231,11 +246,7 @@ def _train(
         for step in range(steps_per_epoch):
             idx = order[step * config.batch_size : (step + 1) * config.batch_size]
             inputs, targets = to_device((x_train[idx], y_train[idx]), devices[0])
-            loss = loss_fn(model(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            value = loss.item()
+            value = _train_step(model, loss_fn, train_step, inputs, targets, config.accumulate)
             total += value * len(idx)
             elapsed = time.perf_counter() - start
             done = epoch * len(y_train) + min((step + 1) * config.batch_size, len(y_train))
@@ -267,7 +278,36 @@ def _train(
         prefixes_removed=prefixes,
         seconds=seconds,
         samples_per_second=config.epochs * len(y_train) / seconds,
+        extra={
+            "precision": precision.name,
+            "accumulate": config.accumulate,
+            "skipped_steps": train_step.skipped_steps,
+        },
     )
+
+
+def _train_step(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    train_step: TrainStep,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    accumulate: int,
+) -> float:
+    """One optimizer step on a batch cut into micro-batches, each weighed by its samples."""
+    parts = [
+        p
+        for p in zip(inputs.tensor_split(accumulate), targets.tensor_split(accumulate), strict=True)
+        if len(p[1])
+    ]
+    value = 0.0
+    for k, (x, y) in enumerate(parts):
+        # What a prepared loader does: place the micro-batch in its step, with its samples.
+        train_step.begin(k, len(parts), len(y), len(targets))
+        loss = loss_fn(model(x), y)
+        train_step(loss)
+        value += loss.item() * len(y)
+    return value / len(targets)
 
 
 def _save_and_reload(

@@ -33,6 +33,22 @@ def test_demo_json_summary_on_cpu_replicas(run_cli: CliRunner) -> None:
     assert summary["reloaded_accuracy"] == summary["test_accuracy"]
 
 
+def test_demo_json_says_its_precision_and_micro_batches(run_cli: CliRunner) -> None:
+    args = ("--epochs", "1", "--precision", "bf16-mixed", "--accumulate", "2", "--json")
+    result = run_cli("demo", "--replicas", "2", *args)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["extra"] == {"precision": "bf16-mixed", "accumulate": 2, "skipped_steps": 0}
+
+
+def test_fp16_on_cpu_replicas_is_a_usage_error_naming_the_alternatives(run_cli: CliRunner) -> None:
+    result = run_cli("demo", "--replicas", "2", "--precision", "fp16-mixed")
+    assert result.returncode == 2
+    assert "fp16-mixed" in result.stderr
+    assert "bf16-mixed" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_demo_tells_the_story_in_plain_lines(run_cli: CliRunner) -> None:
     result = run_cli("demo", "--devices", "cpu,cpu,cpu,cpu", "--epochs", "1")
     assert result.returncode == 0, result.stderr

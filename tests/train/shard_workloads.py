@@ -183,3 +183,25 @@ def cuda_bytes_after_prepare(_: Any = None) -> dict[str, Any]:
     torch.cuda.synchronize()
     local = next(iter(net.parameters())).to_local()
     return {"allocated": torch.cuda.memory_allocated(), "device": str(local.device)}
+
+
+def train_accumulating(
+    _rank: int = 0, shard: Any = True, accumulate: int = 2
+) -> dict[str, list[float]]:
+    """Train with AdamW in micro-batches, ending each with dist.step(loss); final weights."""
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    net, opt, loader = dist.prepare(
+        net,
+        opt,
+        loader,
+        global_batch_size=GLOBAL_BATCH,
+        accumulate=accumulate,
+        seed=7,
+        shard=shard,
+    )
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            dist.step(nn.functional.mse_loss(net(x), y))
+    return full_weights(net)

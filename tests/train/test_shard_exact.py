@@ -46,6 +46,18 @@ def test_two_sharded_processes_end_with_one_process_weights_when_the_data_does_n
     assert _furthest(other_rank.result(), single) <= 1e-12
 
 
+def test_two_sharded_processes_accumulating_micro_batches_end_with_one_process_weights(
+    single: dict[str, list[float]], other_rank: OtherRank
+) -> None:
+    # Global batches of 8 as 2 micro-batches of 2 per process: FSDP reduce-scatters once per
+    # step (set_requires_gradient_sync), weighed by the step's samples. 97 samples: the last
+    # step is one micro-batch of one sample.
+    other_rank.run(work.train_accumulating)
+    mine = work.train_accumulating()
+    assert _furthest(mine, single) <= 1e-12
+    assert _furthest(other_rank.result(), single) <= 1e-12
+
+
 def test_a_policy_of_classes_trains_as_exactly_as_the_default(
     single: dict[str, list[float]], other_rank: OtherRank
 ) -> None:

@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "data_parallel": "gpukit.bench.data_parallel",
     "ddp": "gpukit.bench.ddp",
     "shard": "gpukit.bench.shard",
+    "train": "gpukit.bench.train",
     "checkpoint": "gpukit.bench.checkpoint",
     "startup": "gpukit.bench.startup",
     "batch_size": "gpukit.bench.batch_size",

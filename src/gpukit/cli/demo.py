@@ -37,6 +37,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--seed", type=Number(0, 2**32 - 1), default=0, help="the same seed gives the same result"
     )
     parser.add_argument(
+        "--precision",
+        default="fp32",
+        metavar="P",
+        help="auto, bf16-mixed, fp16-mixed or fp32 (default fp32); auto picks bf16 only where "
+        "the device runs it natively",
+    )
+    parser.add_argument(
+        "--accumulate",
+        type=Number(1, 10**7),
+        default=1,
+        metavar="K",
+        help="cut each batch into K micro-batches, one optimizer step per batch (default 1)",
+    )
+    parser.add_argument(
         "--save",
         type=OutputFile(),
         metavar="FILE",
@@ -102,7 +116,13 @@ class _Renderer:
             )
             out.print(
                 f"Plan: DigitsNet ({data['parameters']:,} parameters), gk.DataParallel over "
-                f"{n} replica(s), {data['epochs']} epochs at batch {data['batch_size']}."
+                f"{n} replica(s), {data['epochs']} epochs at batch {data['batch_size']}"
+                + (
+                    f" ({data['accumulate']} micro-batches a step)"
+                    if data["accumulate"] > 1
+                    else ""
+                )
+                + f", {data['precision']}."
             )
             self.task = self.progress.add_task("train", total=data["steps"], loss=0.0, rate=0.0)
         elif event.kind == "first_step":
@@ -155,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
         checkpoint=args.save,
+        precision=args.precision,
+        accumulate=args.accumulate,
     )
     renderer = None if args.json else _Renderer()
     try:

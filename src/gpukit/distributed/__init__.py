@@ -37,6 +37,7 @@ _EXPORTS = {
     "all_reduce_mean": "gpukit.distributed.metrics",
     "gather_for_metrics": "gpukit.distributed.metrics",
     "prepare": "gpukit.distributed.ddp",
+    "step": "gpukit.train.step",
     **{
         name: "gpukit.distributed.process_group"
         for name in (
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from gpukit.distributed.process_group import print_main as print_main
     from gpukit.distributed.process_group import rank as rank
     from gpukit.distributed.process_group import world_size as world_size
+    from gpukit.train.step import step as step
 
 __all__ = [
     "DistributedContext",
@@ -87,6 +89,7 @@ __all__ = [
     "prepare",
     "print_main",
     "rank",
+    "step",
     "torchrun_args",
     "world_size",
 ]

@@ -13,6 +13,12 @@ share more than one of a large share. :class:`SampleWeights` (a DDP communicatio
 :func:`~gpukit.distributed.ddp.prepare` installs) weighs each rank's gradient by its
 share of the global batch instead, so the update is the one a single process computes on the
 whole global batch.
+
+With gradient accumulation (``accumulate=K``) a global batch is a *window* of K consecutive
+micro-batches, each cut from the order and split over the ranks the same way; the last window
+of an epoch holds what is left (fewer or shorter micro-batches). The loader tells the training
+step (:class:`~gpukit.train.step.TrainStep`) where each micro-batch sits in its window, and the
+hook then applies the step's gradient weight (see :mod:`gpukit.train.accumulate`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch._C._distributed_c10d import (
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
 from gpukit.errors import InvalidArgumentError
+from gpukit.train.step import TrainStep, done_feeding, feeding
 from gpukit.transfer import to_device
 
 __all__ = [
@@ -35,6 +42,7 @@ __all__ = [
     "RankBatches",
     "SampleWeights",
     "active_loader",
+    "micro_batches",
     "per_device_size",
     "share",
     "weighted_allreduce",
@@ -103,6 +111,50 @@ def per_device_size(
     return per_device_batch_size
 
 
+def micro_batches(
+    world_size: int,
+    per_device_batch_size: int | None,
+    global_batch_size: int | None,
+    accumulate: int | None,
+) -> tuple[int, int]:
+    """Each process's micro-batch size and the micro-batches per optimizer step (K).
+
+    Two of the three sizes decide the third: ``global_batch_size = per_device_batch_size x
+    world_size x K``. With one batch size alone and no ``accumulate``, K is 1.
+    """
+    if accumulate is not None and (
+        isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1
+    ):
+        raise InvalidArgumentError(
+            f"accumulate={accumulate!r} is not a number of micro-batches per optimizer step.",
+            hint="Pass a whole number, 1 or more (1: no accumulation).",
+        )
+    if per_device_batch_size is None or global_batch_size is None:
+        steps = accumulate or 1
+        if global_batch_size is None:
+            return per_device_size(world_size, per_device_batch_size, None), steps
+        per_device_size(world_size, None, global_batch_size)  # its type, sign and split
+        if global_batch_size % (world_size * steps):
+            raise InvalidArgumentError(
+                f"global_batch_size={global_batch_size} cannot be cut into {steps} "
+                f"micro-batches on each of {world_size} processes.",
+                hint=f"Use a multiple of {world_size * steps}, or another accumulate=.",
+            )
+        return global_batch_size // (world_size * steps), steps
+    size = per_device_size(world_size, per_device_batch_size, None)
+    per_step = size * world_size
+    per_device_size(world_size, None, global_batch_size)  # the same checks on the global size
+    if global_batch_size % per_step or (accumulate and accumulate * per_step != global_batch_size):
+        raise InvalidArgumentError(
+            f"global_batch_size={global_batch_size} is not per_device_batch_size={size} x "
+            f"{world_size} processes x "
+            + (f"accumulate={accumulate}." if accumulate else "a whole number of micro-batches."),
+            hint="Give two of the three sizes and let prepare() derive the third, or pick "
+            f"a global batch that is a multiple of {per_step}.",
+        )
+    return size, global_batch_size // per_step
+
+
 def _shuffles(loader: DataLoader[Any]) -> bool:
     sampler = loader.sampler
     if isinstance(sampler, RandomSampler):
@@ -134,8 +186,10 @@ class RankBatches(Sampler[list[int]]):
         shuffle: bool,
         seed: int,
         drop_last: bool,
+        window: int = 1,
     ) -> None:
         self.dataset_len = dataset_len
+        self.window = window
         self.global_batch_size = global_batch_size
         self.rank = rank
         self.world_size = world_size
@@ -157,20 +211,26 @@ class RankBatches(Sampler[list[int]]):
         return torch.randperm(self.dataset_len, generator=gen).tolist()
 
     def global_batches(self) -> list[list[int]]:
-        """Every global batch of this epoch (the last one shorter unless drop_last)."""
+        """Every global batch of this epoch (the last one shorter unless drop_last).
+
+        With a ``window`` of K micro-batches per step, drop_last drops the last incomplete
+        window, so every optimizer step sees a whole global batch.
+        """
         order, size = self.order(), self.global_batch_size
-        batches = [order[i : i + size] for i in range(0, len(order), size)]
-        if self.drop_last and batches and len(batches[-1]) < size:
-            batches.pop()
-        return batches
+        if self.drop_last:
+            whole = size * self.window
+            order = order[: len(order) // whole * whole]
+        return [order[i : i + size] for i in range(0, len(order), size)]
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.global_batches():
             yield [batch[i] for i in share(len(batch), self.world_size, self.rank)]
 
     def __len__(self) -> int:
+        if self.drop_last:
+            return self.dataset_len // (self.global_batch_size * self.window) * self.window
         full, rest = divmod(self.dataset_len, self.global_batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        return full + (1 if rest else 0)
 
 
 class _EmptyAware:
@@ -220,7 +280,12 @@ class SampleWeights:
     def weight(self) -> float:
         """This rank's share of the current global batch, or 1/N outside a prepared loader."""
         loader = active_loader()
-        if loader is None or loader.current_global_len == 0:
+        if loader is None:
+            return 1.0 / self.world_size
+        step = loader.train_step
+        if step is not None and step.accumulation.global_total is not None:
+            return step.accumulation.gradient_weight()  # the step's micro-batches, weighed
+        if loader.current_global_len == 0:
             return 1.0 / self.world_size
         return loader.current_len / loader.current_global_len
 
@@ -255,7 +320,8 @@ class DistributedLoader:
     Each pass calls ``set_epoch`` on the sampler with the pass number (or the value given to
     :meth:`set_epoch`), so shuffling differs per epoch and agrees across processes. Every rank
     yields ``len(self)`` batches; the last may be shorter, or empty on some ranks.
-    ``batch_size`` is per process; ``global_batch_size`` is what one step sees over all of them.
+    ``batch_size`` is per process and micro-batch; ``global_batch_size`` is what one optimizer
+    step sees over all processes and its ``accumulate`` micro-batches.
     """
 
     def __init__(
@@ -267,6 +333,8 @@ class DistributedLoader:
         world_size: int,
         device: torch.device,
         seed: int,
+        accumulate: int = 1,
+        train_step: TrainStep | None = None,
     ) -> None:
         if loader.batch_size is None:
             raise InvalidArgumentError(
@@ -282,6 +350,7 @@ class DistributedLoader:
             shuffle=_shuffles(loader),
             seed=seed,
             drop_last=loader.drop_last,
+            window=accumulate,
         )
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
@@ -297,7 +366,9 @@ class DistributedLoader:
         )
         self.dataset = dataset
         self.batch_size = batch_size
-        self.global_batch_size = batch_size * world_size
+        self.accumulate = accumulate
+        self.global_batch_size = batch_size * world_size * accumulate
+        self.train_step = train_step
         self.device = device
         self.rank = rank
         self.world_size = world_size
@@ -322,15 +393,28 @@ class DistributedLoader:
         self.current_len = 0
         self.current_global_len = 0
         _ACTIVE.append(self)
+        if self.train_step is not None:
+            feeding(self.train_step)
         try:
             for step, batch in enumerate(self.loader):
                 self.current_global_len = sizes[step]
                 self.current_len = len(share(sizes[step], self.world_size, self.rank))
+                if self.train_step is not None:
+                    self._place(step, sizes)
                 yield to_device(batch, self.device)
         finally:
             _ACTIVE.remove(self)
+            if self.train_step is not None:
+                done_feeding(self.train_step)
             if not self._epoch_set:
                 self._epoch += 1
+
+    def _place(self, step: int, sizes: list[int]) -> None:
+        """Tell the training step where micro-batch ``step`` sits in its optimizer step."""
+        assert self.train_step is not None
+        start = step - step % self.accumulate
+        window = sizes[start : start + self.accumulate]
+        self.train_step.begin(step - start, len(window), self.current_len, sum(window))
 
     def kept_rows(self) -> list[bool]:
         """For the batch being processed, which rows of a gather over all ranks are samples.

@@ -13,12 +13,14 @@ from torch.utils.data import DataLoader
 from gpukit.distributed.data import (
     DistributedLoader,
     SampleWeights,
-    per_device_size,
+    micro_batches,
     weighted_allreduce,
 )
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
+from gpukit.train.precision import autocast_forward, resolve_precision
 from gpukit.train.shard import ShardPolicy, is_sharded, shard_model
+from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 
 M = TypeVar("M", bound=nn.Module)
@@ -30,7 +32,7 @@ __all__ = ["prepare"]
 def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any]) -> Any:
     if isinstance(model, DistributedDataParallel) or is_sharded(model):
         return model
-    model = to_device(model, ctx.device)
+    model = to_device(model, ctx.device)  # the fp32 master weights, whatever the precision
     if ctx.world_size == 1:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -70,7 +72,7 @@ def _prepare_optimizer(optimizer: Optimizer, ctx: DistributedContext) -> Optimiz
 
 
 @overload
-def prepare(model: M) -> M | DistributedDataParallel: ...
+def prepare(model: M, *, precision: str = ...) -> M | DistributedDataParallel: ...
 @overload
 def prepare(
     model: M,
@@ -79,6 +81,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
@@ -91,6 +95,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
@@ -103,6 +109,8 @@ def prepare(
     loader: DataLoader[Any],
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
@@ -115,6 +123,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
+    accumulate: int | None = ...,
+    precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
@@ -126,6 +136,8 @@ def prepare(
     *,
     per_device_batch_size: int | None = None,
     global_batch_size: int | None = None,
+    accumulate: int | None = None,
+    precision: str = "fp32",
     seed: int = 0,
     ddp_kwargs: Mapping[str, Any] | None = None,
     shard: ShardPolicy = False,
@@ -142,25 +154,91 @@ def prepare(
     N processes end with the same weights as one, whatever the dataset's size; in the last
     step of an epoch a process may get fewer samples than the others, or an empty batch.
 
+    ``accumulate=K`` cuts each global batch into K micro-batches per process (or give
+    ``per_device_batch_size`` and a larger ``global_batch_size``: the micro-batch and the global
+    batch, K derived); gradients are all-reduced once per optimizer step and every micro-batch is
+    weighed by its share of the step's samples (or of the counts given to ``dist.step``), so
+    the step is still one process's step on the whole global batch. ``precision`` is
+    ``"fp32"`` (default), ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"auto"`` (see
+    :func:`gpukit.train.precision.resolve_precision`): the model's forward runs under autocast,
+    weights and gradients stay fp32. With either, end each batch with ``dist.step(loss)``
+    in place of ``opt.zero_grad(); loss.backward(); opt.step()``.
+
+    >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=256,
+    ...                              accumulate=4, precision="auto")  # doctest: +SKIP
+
     ``shard=True`` (or module classes, or a function of a module: see
     :mod:`gpukit.train.shard`) shards the model with FSDP2 instead of copying it with DDP: each
     process holds 1/N of the parameters, gradients and optimizer state, and the gradients are
-    weighed the same way, so the promise above holds. The optimizer is moved onto the sharded
-    parameters.
+    weighed the same way, so the promise above holds (accumulation included: FSDP skips its
+    reduce-scatter on all but the last micro-batch). The optimizer is moved onto the sharded
+    parameters. A mixed precision computes in its dtype there too (FSDP's
+    ``MixedPrecisionPolicy``), gradients reduced in float32.
 
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
     >>> model, opt = prepare(model, opt, shard=True)  # doctest: +SKIP
+
+    Raises:
+        InvalidArgumentError: an object of the wrong type, batch sizes that do not fit together,
+            ``accumulate`` without a loader or with a model wrapped in DDP already, an unknown
+            precision.
+        DeviceError: a precision this process's device cannot run natively.
     """
     _check_objects(model, optimizer, loader)
     ctx = _ready()
+    resolved = resolve_precision(precision, ctx.device)
+    steps = 1
+    if loader is not None:
+        size, steps = micro_batches(
+            ctx.world_size, per_device_batch_size, global_batch_size, accumulate
+        )
+    elif accumulate is not None and accumulate != 1:
+        raise InvalidArgumentError(
+            f"prepare() got accumulate={accumulate!r} without a loader.",
+            hint="Accumulation follows the prepared loader's micro-batches: pass the loader too.",
+        )
+    if resolved.scaled and optimizer is not None and loader is None:
+        raise InvalidArgumentError(
+            "prepare() got precision='fp16-mixed' with an optimizer but no loader: the "
+            "gradient scaler runs in the step of a prepared loader's loop.",
+            hint="Pass the loader too and end each batch with dist.step(loss), or use "
+            "gk.train.TrainStep(model, opt, precision=...) in your own loop.",
+        )
+    yours = isinstance(model, DistributedDataParallel)
+    if yours and steps > 1:
+        raise InvalidArgumentError(
+            f"prepare() got accumulate={steps} and a model already wrapped in DDP, whose "
+            "equal average over processes cannot weigh micro-batches exactly.",
+            hint="Pass the bare model and let prepare() wrap it.",
+        )
     if shard is not False:  # FSDP2 in place of DDP (train/shard.py)
         weight = SampleWeights(ctx.world_size).weight
-        model = shard_model(model, shard, device=ctx.device, weight=weight, optimizer=optimizer)
-    out: list[Any] = [_prepare_model(model, ctx, ddp_kwargs or {})]
+        model = shard_model(
+            model,
+            shard,
+            device=ctx.device,
+            weight=weight,
+            optimizer=optimizer,
+            param_dtype=resolved.dtype,
+        )
+    prepared = _prepare_model(model, ctx, ddp_kwargs or {})
+    inner = prepared.module if isinstance(prepared, DistributedDataParallel) else prepared
+    autocast_forward(inner, resolved)
+    out: list[Any] = [prepared]
     if optimizer is not None:
         out.append(_prepare_optimizer(optimizer, ctx))
     if loader is not None:
-        size = per_device_size(ctx.world_size, per_device_batch_size, global_batch_size)
+        train_step = None
+        if optimizer is not None:
+            train_step = TrainStep(
+                prepared,
+                optimizer,
+                precision=resolved,
+                accumulate=steps,
+                hooked=(isinstance(prepared, DistributedDataParallel) and not yours)
+                or is_sharded(prepared),
+                distributed=ctx.world_size > 1,
+            )
         out.append(
             DistributedLoader(
                 loader,
@@ -169,6 +247,8 @@ def prepare(
                 world_size=ctx.world_size,
                 device=ctx.device,
                 seed=seed,
+                accumulate=steps,
+                train_step=train_step,
             )
         )
     return out[0] if len(out) == 1 else tuple(out)

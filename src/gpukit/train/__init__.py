@@ -7,4 +7,19 @@ one-process script uses them the same way. This package never imports ``gpukit.d
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from gpukit.train.accumulate import Accumulation, AccumulationPlan, plan_accumulation
+from gpukit.train.precision import PRECISIONS, Precision, resolve_precision
+from gpukit.train.scaler import LossScaler
+from gpukit.train.step import TrainStep, step
+
+__all__ = [
+    "PRECISIONS",
+    "Accumulation",
+    "AccumulationPlan",
+    "LossScaler",
+    "Precision",
+    "TrainStep",
+    "plan_accumulation",
+    "resolve_precision",
+    "step",
+]

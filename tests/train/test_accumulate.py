@@ -1,0 +1,172 @@
+"""Gradient accumulation in one process: sizes, weights, the one call, and its refusals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpukit import distributed as dist
+from gpukit.errors import InvalidArgumentError
+from gpukit.train import AccumulationPlan, TrainStep, plan_accumulation
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import accumulate_workloads as work
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _loader(n: int, **options: Any) -> DataLoader[Any]:
+    x = torch.arange(n, dtype=torch.float64)[:, None]
+    return DataLoader(TensorDataset(x, 2 * x), batch_size=4, **options)
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["samples", "tokens"])
+def test_three_micro_batches_per_step_end_with_the_weights_of_the_whole_global_batch(
+    tokens: bool,
+) -> None:
+    # 97 samples, global batch 36, K=3: the last window holds micro-batches of 12, 12 and 1.
+    expected = work.reference(97, "sgd-momentum", tokens)
+    got = work.accumulated(97, 3, "sgd-momentum", tokens)
+    assert got == pytest.approx(expected, rel=0, abs=1e-12)
+
+
+def test_a_micro_batch_size_and_a_larger_global_batch_give_the_micro_batches_per_step() -> None:
+    model = nn.Linear(1, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, _, loader = dist.prepare(
+        model, opt, _loader(50), per_device_batch_size=4, global_batch_size=12
+    )
+    assert (loader.batch_size, loader.accumulate, loader.global_batch_size) == (4, 3, 12)
+    # 50 = 4 windows of 12 (3 micro-batches of 4), then 2 samples: one more micro-batch.
+    assert [len(x) for x, _ in loader] == [4] * 12 + [2]
+
+
+def test_drop_last_drops_the_whole_incomplete_optimizer_step_not_only_its_last_micro_batch() -> (
+    None
+):
+    model = nn.Linear(1, 1)
+    _, loader = dist.prepare(
+        model, loader=_loader(50, drop_last=True), global_batch_size=12, accumulate=3
+    )
+    assert len(loader) == 12
+    assert [len(x) for x, _ in loader] == [4] * 12
+
+
+def test_the_plain_optimizer_step_in_an_accumulating_loop_is_refused_before_it_steps() -> None:
+    model = nn.Linear(1, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = dist.prepare(model, opt, _loader(24), global_batch_size=8, accumulate=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(iter(loader))
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(InvalidArgumentError, match="accumulate=2") as caught:
+        _plain_step_in_the_loop(opt, loader)
+    assert "dist" in (caught.value.hint or "")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _plain_step_in_the_loop(opt: torch.optim.Optimizer, loader: Any) -> None:
+    for _ in loader:
+        opt.step()
+
+
+def test_the_step_answers_true_only_when_the_optimizer_stepped() -> None:
+    model = nn.Linear(1, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = dist.prepare(model, opt, _loader(20), global_batch_size=8, accumulate=2)
+    stepped = [dist.step(nn.functional.mse_loss(model(x), y)) for x, y in loader]
+    # 20 samples: windows of 4 + 4, 4 + 4, then a last window of one micro-batch of 4.
+    assert stepped == [False, True, False, True, True]
+
+
+def test_step_outside_a_prepared_loop_is_refused_with_a_hint() -> None:
+    with pytest.raises(InvalidArgumentError, match="outside a loop") as caught:
+        dist.step(torch.zeros((), requires_grad=True))
+    assert "TrainStep" in (caught.value.hint or "")
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"global_batch_size": 10, "accumulate": 3},
+        {"per_device_batch_size": 4, "global_batch_size": 12, "accumulate": 2},
+        {"per_device_batch_size": 4, "accumulate": 0},
+    ],
+    ids=["global-not-divisible", "three-sizes-disagree", "zero-micro-batches"],
+)
+def test_batch_sizes_that_do_not_fit_together_are_refused(sizes: dict[str, int]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        dist.prepare(nn.Linear(1, 1), loader=_loader(8), **sizes)
+
+
+def test_accumulate_without_a_loader_is_refused() -> None:
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InvalidArgumentError, match="without a loader"):
+        dist.prepare(model, opt, accumulate=2)
+
+
+def test_a_train_step_without_a_loader_accumulates_k_calls_into_one_step() -> None:
+    torch.manual_seed(0)
+    whole = nn.Linear(3, 1).double()
+    parts = nn.Linear(3, 1).double()
+    parts.load_state_dict(whole.state_dict())
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    nn.functional.mse_loss(whole(x), y).backward()
+    opt.step()
+    train_step = TrainStep(parts, torch.optim.SGD(parts.parameters(), lr=0.1), accumulate=2)
+    assert train_step(nn.functional.mse_loss(parts(x[:4]), y[:4])) is False
+    assert train_step(nn.functional.mse_loss(parts(x[4:]), y[4:])) is True
+    for a, b in zip(whole.parameters(), parts.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_accumulation_state_round_trips_mid_step() -> None:
+    model = nn.Linear(1, 1).double()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    step(model(torch.ones(2, 1, dtype=torch.float64)).mean(), count=5)
+    other = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    other.load_state_dict(step.state_dict())
+    assert other.state_dict() == step.state_dict()
+    assert other.accumulation.local_total == 5
+
+
+def test_a_state_saved_with_another_number_of_micro_batches_is_refused() -> None:
+    model = nn.Linear(1, 1)
+    saved = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    other = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    with pytest.raises(InvalidArgumentError, match="accumulate=2"):
+        other.load_state_dict(saved.state_dict())
+
+
+def test_a_count_that_is_not_a_number_of_items_is_refused() -> None:
+    model = nn.Linear(1, 1)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(InvalidArgumentError, match="count=-1"):
+        step(model(torch.ones(1, 1)).mean(), count=-1)
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "largest", "world", "plan"),
+    [(256, 40, 2, (32, 4)), (64, 64, 1, (64, 1)), (96, 7, 2, (6, 8)), (12, 100, 3, (4, 1))],
+)
+def test_a_plan_uses_the_largest_micro_batch_that_fits_and_divides_the_share(
+    global_batch: int, largest: int, world: int, plan: tuple[int, int]
+) -> None:
+    assert plan_accumulation(global_batch, largest, world) == AccumulationPlan(*plan)
+
+
+def test_a_plan_for_a_global_batch_that_does_not_split_over_the_processes_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot be split evenly over 4"):
+        plan_accumulation(10, 2, 4)
