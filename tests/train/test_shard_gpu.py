@@ -71,3 +71,17 @@ def test_two_gpu_processes_each_hold_half_the_parameters_in_cuda_memory() -> Non
     for rank, found in enumerate(ranks):
         assert found["device"] == f"cuda:{rank}"
         assert full / 2 <= found["allocated"] < 0.75 * full
+
+
+@pytest.mark.parametrize("group_of_one", ["nccl"], indirect=True)
+@pytest.mark.usefixtures("group_of_one")
+def test_a_bf16_sharded_model_computes_in_bf16_and_keeps_float32_weights_and_gradients() -> None:
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no native bf16")
+    cuda = torch.device("cuda", 0)
+    net = shard(work.Stack().float(), device=cuda, weight=lambda: 1.0, param_dtype=torch.bfloat16)
+    out = net(torch.randn(8, 4, device=cuda))
+    assert out.dtype == torch.bfloat16
+    out.float().pow(2).mean().backward()
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in net.parameters() if p.grad is not None} == {torch.float32}
