@@ -317,7 +317,8 @@ def save_sharded(
     write the gathered weights as one file.
 
     Raises:
-        InvalidArgumentError: a dict asked of a one-file or safetensors layout, or two models.
+        InvalidArgumentError: a dict asked of a one-file or safetensors layout, two models, or
+            metadata for a DCP folder (raised on every rank, before any collective).
         CheckpointError: the target cannot be written (raised on every rank).
     """
     names_a_file = path.suffix in _FILE_SUFFIXES
@@ -341,6 +342,11 @@ def save_sharded(
         else:
             _export(obj, path, parse_shard_size(max_shard_size), metadata)
         return path
+    if metadata:
+        raise InvalidArgumentError(
+            f"gk.save got metadata for {path.name}, a DCP folder, which has no place to keep it.",
+            hint='Save it as an entry instead: gk.save({"model": model, "info": {...}}, path).',
+        )
     _save_dcp(obj, path)
     return path
 
