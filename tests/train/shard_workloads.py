@@ -159,13 +159,13 @@ def load_error(_rank: int, path: str, width: int = 5) -> str:
     return "no error"
 
 
-def save_error(_rank: int, path: str) -> str:
+def save_error(_rank: int, path: str, max_shard_size: Any = None) -> str:
     """The error gk.save gives for a sharded model saved where it may not write."""
     import gpukit as gk
 
     net = dist.prepare(model(), shard=True)
     try:
-        gk.save(net, path)
+        gk.save(net, path, max_shard_size=max_shard_size)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"

@@ -149,8 +149,9 @@ def _in_folder(path: Path, fill: Callable[[Path | None], None]) -> None:
             _check_folder(path)
             atomic_folder(path, fill_here)
         finally:
-            if not sent:
+            if not sent:  # refused before the folder existed: join the others' collectives
                 dist.broadcast_object_list([None], src=0)
+                fill(None)
 
     if dist.get_rank() == 0:
         failure: GpukitError | None = None
