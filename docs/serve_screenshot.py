@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1280)
     args = parser.parse_args()
     os.environ["GPUKIT_FAKE_NVML"] = str(
-        ROOT / "tests" / "fixtures" / "machines" / "server-8xA100-shared.json"
+        ROOT / "src" / "gpukit" / "gpus" / "machines" / "server-8xA100-shared.json"
     )
     with tempfile.TemporaryDirectory() as locks:
         os.environ["GPUKIT_LOCK_DIR"] = locks
@@ -52,7 +52,7 @@ def main() -> None:
         from playwright.sync_api import sync_playwright
 
         import gpukit as gk
-        from gpukit.gpus.claims import claim
+        from gpukit.sharing.claims import claim
         from gpukit.serve import DashboardServer, Sampler
 
         sampler = Sampler(3600, host="gpu-server")

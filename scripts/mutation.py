@@ -26,32 +26,44 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module -> the test files that state its behaviour
 CORE: dict[str, list[str]] = {
-    "gpukit.gpus.claims": ["tests/test_claims.py", "tests/test_lock_security.py"],
-    "gpukit.gpus.select": ["tests/test_select.py", "tests/test_pick_boundaries.py"],
+    "gpukit.sharing.claims": [
+        "tests/sharing/test_claims.py",
+        "tests/sharing/test_lock_security.py",
+    ],
+    "gpukit.gpus.select": ["tests/gpus/test_select.py", "tests/sharing/test_pick_boundaries.py"],
+    # gk.pick and check_user_limit, measured as part of gpus/select.py until they moved here
+    "gpukit.sharing.pick": ["tests/gpus/test_select.py", "tests/sharing/test_pick_boundaries.py"],
     "gpukit.gpus.criteria": [
-        "tests/test_select.py",
-        "tests/test_pick_boundaries.py",
-        "tests/test_waiting.py",
+        "tests/gpus/test_select.py",
+        "tests/sharing/test_pick_boundaries.py",
+        "tests/sharing/test_tickets.py",
         "tests/test_sizes.py",
     ],
-    "gpukit.gpus.line": ["tests/test_waiting.py", "tests/test_line_what_counts.py"],
-    "gpukit.gpus.waiting": [
-        "tests/test_waiting.py",
-        "tests/test_acquire.py",
-        "tests/test_policy.py",
-        "tests/test_waiting_rules.py",
+    "gpukit.sharing.waiters": [
+        "tests/sharing/test_tickets.py",
+        "tests/sharing/test_waiters_what_counts.py",
     ],
-    "gpukit.gpus.lockfiles": [
-        "tests/test_lockfiles.py",
-        "tests/test_lockfiles_refusals.py",
-        "tests/test_lock_security.py",
+    "gpukit.sharing.tickets": [
+        "tests/sharing/test_tickets.py",
+        "tests/sharing/test_acquire.py",
+        "tests/sharing/test_policy.py",
+        "tests/sharing/test_tickets_rules.py",
+    ],
+    "gpukit.sharing.lockfiles": [
+        "tests/sharing/test_lockfiles.py",
+        "tests/sharing/test_lockfiles_refusals.py",
+        "tests/sharing/test_lock_security.py",
     ],
     "gpukit.gpus.visible": [
-        "tests/test_visible.py",
-        "tests/test_visible_boundaries.py",
-        "tests/test_granted.py",
-        "tests/test_visible_rules.py",
-        "tests/test_granted_rules.py",
+        "tests/gpus/test_visible.py",
+        "tests/gpus/test_visible_boundaries.py",
+        "tests/gpus/test_grants.py",
+        "tests/gpus/test_visible_rules.py",
+    ],
+    # the grants, measured as part of gpus/visible.py until they moved here
+    "gpukit.gpus.grants": [
+        "tests/gpus/test_grants.py",
+        "tests/gpus/test_visible_rules.py",
     ],
     "gpukit.transfer": [
         "tests/test_transfer.py",
@@ -82,14 +94,14 @@ CORE: dict[str, list[str]] = {
         "tests/test_checkpoint_atomic_writes.py",
     ],
     "gpukit.memory.batch_size": [
-        "tests/test_batch_size.py",
-        "tests/test_batch_size_across_processes.py",
-        "tests/test_batch_size_log.py",
+        "tests/memory/test_batch_size.py",
+        "tests/memory/test_batch_size_across_processes.py",
+        "tests/memory/test_batch_size_log.py",
     ],
     "gpukit.distributed.data": [
-        "tests/test_distributed.py",
-        "tests/test_distributed_loader_epochs.py",
-        "tests/test_distributed_loader_rules.py",
+        "tests/distributed/test_distributed.py",
+        "tests/distributed/test_distributed_loader_epochs.py",
+        "tests/distributed/test_distributed_loader_rules.py",
     ],
     "gpukit.untrusted": [
         "tests/untrusted/test_bounded_reads.py",

@@ -1,4 +1,4 @@
-"""Shared test helpers: the machine fixtures and a way to run the ``gpukit`` command."""
+"""The suite's fixtures and hooks; what tests import lives in ``tests/helpers``."""
 
 from __future__ import annotations
 
@@ -8,20 +8,23 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
 import pytest
 from hypothesis import settings
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import MACHINES, CliRunner, cuda_devices, subprocess_env
+
+# The checkpoint tests still import these from here; they move to tests.helpers with them.
+from tests.helpers import NOBODY as NOBODY
+from tests.helpers import as_root as as_root
 
 # No per-example deadline: on a busy machine a slow example is not a failing one, and a test that
 # fails by the clock alone is a flaky test.
 settings.register_profile("gpukit", deadline=None)
 settings.load_profile("gpukit")
-MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
 
 
 def _still_ignored(signum: int, frame: FrameType | None) -> None:
@@ -40,6 +43,19 @@ def pytest_configure(config: pytest.Config) -> None:
     for signum in (signal.SIGINT, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_IGN:
             signal.signal(signum, _still_ignored)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a test marked by :func:`tests.helpers.needs_gpus` where too few GPUs exist."""
+    marker = item.get_closest_marker("needs_gpus")
+    if marker is None:
+        return
+    wanted = marker.args[0] if marker.args else 1
+    found = cuda_devices()
+    if found < wanted:
+        pytest.skip(
+            f"needs {wanted} CUDA device{'s' if wanted != 1 else ''}; this machine has {found}"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -66,17 +82,6 @@ def public_tmp() -> Iterator[Path]:
     shutil.rmtree(path)
 
 
-BENCH_EXTRA = frozenset({"accelerate", "lightning", "matplotlib", "nvitop", "gpustat"})
-
-
-def skip_without_bench_extra(exc: ImportError) -> None:
-    """Skip when ``exc`` says a package of the ``bench`` extra is missing; else re-raise it."""
-    name = (exc.name or "").partition(".")[0]
-    if name not in BENCH_EXTRA:
-        raise exc
-    pytest.skip(f"{name} is not installed (pip install 'gpukit[bench]')")
-
-
 # Variables that restrict which GPUs gpukit chooses among, or describe a job it runs in: a test
 # that needs one sets it, and none leaks from the shell (a GPU server, a Slurm job) or from a
 # test that set it without monkeypatch (set_visible_devices writes os.environ itself).
@@ -96,37 +101,6 @@ def _no_inherited_grant(monkeypatch: pytest.MonkeyPatch) -> None:
 def machines_dir() -> Path:
     """The folder of machine descriptions (what NVML reports on real machines)."""
     return MACHINES
-
-
-def subprocess_env(**extra: str | None) -> dict[str, str]:
-    """The current environment, with this checkout's ``src`` first on PYTHONPATH.
-
-    ``extra`` entries are added, or removed when None.
-    """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("GPUKIT_FAKE_NVML", None)
-    for key, value in extra.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
-
-
-def run_python(code: str, **extra_env: str | None) -> str:
-    """Run ``python -c code`` in a fresh process with this checkout importable; return stdout."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(**extra_env),
-        check=True,
-        timeout=120,
-    ).stdout
-
-
-CliRunner = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
@@ -153,13 +127,6 @@ def run_cli() -> CliRunner:
         )
 
     return run
-
-
-NOBODY = 65534
-"""The uid a test acts as when it plays another user of the machine (needs root)."""
-as_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="needs root to act as another user (uid 65534)"
-)
 
 
 @pytest.fixture

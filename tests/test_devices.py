@@ -10,7 +10,7 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.errors import DeviceError, MixedDevicesError
-from tests.conftest import run_python
+from tests.helpers import run_python
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 
 import gpukit as gk
 from gpukit import errors
-from tests.conftest import run_python
+from tests.helpers import run_python
 
 
 def test_every_error_is_a_gpukit_error_with_an_exit_code() -> None:
@@ -59,7 +59,7 @@ def test_every_error_the_docs_name_is_importable_from_gpukit() -> None:
     import builtins
     import re
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     named = {m for path in texts for m in re.findall(r"\b([A-Z]\w*Error)\b", path.read_text())}

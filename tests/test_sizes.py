@@ -11,7 +11,8 @@ import pytest
 from gpukit.cli._output import human_bytes
 from gpukit.gpus.criteria import Criteria
 from gpukit.gpus.inventory import GPU, Inventory
-from gpukit.gpus.select import assess, pick
+from gpukit.gpus.select import assess
+from gpukit.sharing.pick import pick
 from gpukit.sizes import format_size, parse_size
 
 

@@ -15,7 +15,8 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.errors import DeviceError, InvalidArgumentError
-from tests.refcycles import cyclic_garbage
+from tests.helpers import needs_gpus
+from tests.helpers.refcycles import cyclic_garbage
 
 META = torch.device("meta")
 Point = namedtuple("Point", ["x", "y"])
@@ -156,7 +157,7 @@ def test_pin_is_ignored_for_a_cpu_target() -> None:
     assert gk.to_device(t, "cpu", pin=True) is t
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_gpus(1)
 def test_pin_pins_host_tensors_and_copies_without_blocking() -> None:
     moved = gk.to_device({"x": torch.ones(1024)}, "cuda", pin=True)
     torch.cuda.synchronize()

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import gpukit as gk
 from gpukit import _tree
 from gpukit.errors import InvalidArgumentError
-from tests.refcycles import cyclic_garbage
+from tests.helpers.refcycles import cyclic_garbage
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -113,7 +113,7 @@ def test_every_leaf_path_leads_back_to_its_leaf(data: Any) -> None:
     for path, leaf in found:
         node = data
         for key in path:
-            node = _tree.child(node, _tree.kind_of(node), key)
+            node = _tree.child(node, _tree.walk_kind(node), key)
         assert node is leaf
 
 

@@ -46,12 +46,12 @@ __all__ = [
     "format_path",
     "guarded",
     "is_namedtuple",
-    "kind_of",
     "leaves_with_paths",
     "map_with_paths",
     "mapper",
     "rebuild",
     "tree_map",
+    "walk_kind",
 ]
 
 # What a type is to the walk. Plain ints: they are compared on the hot path.
@@ -80,7 +80,7 @@ def _classify(kind: type) -> int:
     return LEAF
 
 
-def kind_of(obj: object) -> int:
+def walk_kind(obj: object) -> int:
     """What ``obj`` is to the walk: ``LEAF``, ``MAPPING``, ``SEQUENCE``, ``NAMEDTUPLE``..."""
     kind = type(obj)
     found = _KINDS.get(kind)
@@ -93,7 +93,7 @@ def kind_of(obj: object) -> int:
 
 def is_namedtuple(obj: object) -> bool:
     """Whether ``obj`` is an instance of a ``collections.namedtuple`` or ``typing.NamedTuple``."""
-    return kind_of(obj) == NAMEDTUPLE
+    return walk_kind(obj) == NAMEDTUPLE
 
 
 @functools.cache
@@ -189,7 +189,7 @@ def format_path(path: KeyPath, root: str = "inputs", data: Any = None) -> str:
     parts = [root]
     node = data
     for key in path:
-        kind = kind_of(node) if data is not None else MAPPING
+        kind = walk_kind(node) if data is not None else MAPPING
         parts.append(f".{key}" if kind in (NAMEDTUPLE, DATACLASS) else f"[{key!r}]")
         if data is not None:
             node = child(node, kind, key)
@@ -216,7 +216,7 @@ def mapper(leaf: LeafFn, types: type | tuple[type, ...], opaque: LeafFn | None =
 
     Other leaves go through ``opaque`` (kept as they are when it is None). This is the hot path
     of every training step, so it dispatches on the exact type first and decides what any other
-    type is once (:func:`kind_of`); a container in which nothing changed is returned itself.
+    type is once (:func:`walk_kind`); a container in which nothing changed is returned itself.
     The returned function raises ``RecursionError`` on a cyclic structure: call it through
     :func:`guarded` for a typed error.
     """
@@ -248,7 +248,7 @@ def mapper(leaf: LeafFn, types: type | tuple[type, ...], opaque: LeafFn | None =
             return obj
         if isinstance(obj, wanted):
             return leaf(obj)
-        kind = kind_of(obj)
+        kind = walk_kind(obj)
         if kind == LEAF:
             return obj if opaque is None else opaque(obj)
         old = _values(obj, kind)
@@ -278,7 +278,7 @@ def map_with_paths(
     def walk(again: Any, obj: Any, path: KeyPath) -> Any:  # handed itself: see mapper
         if isinstance(obj, wanted):
             return leaf(path, obj)
-        kind = kind_of(obj)
+        kind = walk_kind(obj)
         if kind == LEAF:
             return obj if opaque is None else opaque(obj)
         pairs = children(obj, kind)
@@ -309,7 +309,7 @@ def leaves_with_paths(
         if types is not None and isinstance(obj, types):
             yield path, obj
             continue
-        kind = kind_of(obj)
+        kind = walk_kind(obj)
         if kind == LEAF:
             if types is None:
                 yield path, obj

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from gpukit.cli.bench import SUITES
-from tests.conftest import skip_without_bench_extra
+from tests.helpers import skip_without_bench_extra
 
 
 @pytest.mark.slow

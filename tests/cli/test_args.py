@@ -151,7 +151,7 @@ def test_a_min_free_without_a_unit_is_refused_with_what_was_likely_meant(
 
 def test_an_option_and_the_poll_interval_take_the_same_longest_duration() -> None:
     from gpukit.errors import InvalidArgumentError
-    from gpukit.gpus.acquire import poll_interval
+    from gpukit.sharing.acquire import poll_interval
 
     assert Seconds()(str(MAX_SECONDS)) == poll_interval(MAX_SECONDS) == MAX_SECONDS
     with pytest.raises(argparse.ArgumentTypeError):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpukit.bench.core import BenchResult
-from tests.conftest import CliRunner
+from tests.helpers import CliRunner
 
 
 def test_bench_writes_ratios_against_alternatives_as_json(

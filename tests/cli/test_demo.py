@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gpukit.cli.main import main
-from tests.conftest import CliRunner
+from tests.helpers import CliRunner
 
 
 @pytest.fixture

@@ -87,14 +87,14 @@ def machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         "time",
         SimpleNamespace(sleep=stop_watching, strftime=time.strftime, localtime=time.localtime),
     )
-    monkeypatch.setattr(run_cmd, "launch", lambda argv, env: 0)
+    monkeypatch.setattr(run_cmd, "supervise", lambda argv, env, **_: 0)
 
     def no_wait(*args: Any, poll: float, timeout: float | None, **kwargs: Any) -> Any:
         _as_sleep_would(poll)
         _as_sleep_would(0.0 if timeout is None else timeout)
         raise WaitTimeoutError("waited in a test", hint="none")
 
-    import gpukit.gpus.acquire as acquire
+    import gpukit.sharing.acquire as acquire
 
     monkeypatch.setattr(acquire, "wait_and_claim", no_wait)
     # list --hosts checks its hosts, timeout and ssh command for real, then reaches no one.

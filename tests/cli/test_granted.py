@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
-from tests.conftest import CliRunner
+from gpukit.sharing.claims import claim
+from tests.helpers import CliRunner
 
 A100 = "server-8xA100-shared"  # 8 alike GPUs; only 2 and 4 idle
 

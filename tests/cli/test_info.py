@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import CliRunner
+from tests.helpers import CliRunner
 
 
 def test_info_json_reports_torch_cuda_cudnn_and_cpu(run_cli: CliRunner) -> None:

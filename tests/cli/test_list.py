@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import pytest
 
 from gpukit.gpus.inventory import SCHEMA, Inventory
+from tests.helpers import MACHINES, ROOT
 
 if TYPE_CHECKING:
-    from tests.conftest import CliRunner
+    from tests.helpers import CliRunner
 
-ROOT = Path(__file__).resolve().parents[2]
-MACHINES = sorted((ROOT / "tests" / "fixtures" / "machines").glob("*.json"))
+DESCRIPTIONS = sorted(MACHINES.glob("*.json"))
 
 
 def _fake(machines_dir: Path, name: str) -> dict[str, str | None]:
@@ -33,7 +33,7 @@ def _fake(machines_dir: Path, name: str) -> dict[str, str | None]:
 
 @pytest.mark.parametrize(
     "machine",
-    [m for m in MACHINES if m.stem not in ("no-driver", "kaggle-2xT4-one-lost")],
+    [m for m in DESCRIPTIONS if m.stem not in ("no-driver", "kaggle-2xT4-one-lost")],
     ids=lambda p: p.stem,
 )
 def test_list_json_round_trips_into_an_inventory(run_cli: CliRunner, machine: Path) -> None:
@@ -188,7 +188,7 @@ def test_watch_json_prints_a_reading_per_interval_until_interrupted(machines_dir
 def test_list_shows_who_has_claimed_each_gpu(
     run_cli: CliRunner, machines_dir: Path, tmp_path: Path
 ) -> None:
-    from gpukit.gpus.claims import claim
+    from gpukit.sharing.claims import claim
 
     machine = str(machines_dir / "server-4xL4-idle.json")
     env = {"GPUKIT_FAKE_NVML": machine, "GPUKIT_LOCK_DIR": str(tmp_path), "NO_COLOR": "1"}

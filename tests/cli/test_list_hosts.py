@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.hosts_fixture import FakeHosts
+from tests.helpers.hosts import FakeHosts
 
 if TYPE_CHECKING:
-    from tests.conftest import CliRunner
+    from tests.helpers import CliRunner
 
 
 @pytest.fixture

@@ -3,16 +3,18 @@ and many hosts print quickly."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from gpukit.cli._gpu_table import build_hosts_table, build_table
-from gpukit.gpus.claims import Holder
 from gpukit.gpus.hosts import HostReading
 from gpukit.gpus.inventory import GPU, GpuProcess, Inventory
 from gpukit.gpus.visible import resolve
+from gpukit.holders import Holder
+from gpukit.sizes import format_size
 
 
 def _render(renderable: object, width: int) -> list[str]:
@@ -59,7 +61,9 @@ def test_list_at_80_columns_shows_who_claimed_and_who_uses_each_gpu(
     shown = "\n".join(lines)
     for user in users - {None}:
         assert f"{user}:" in shown
-    assert "python" in next(line for line in lines if "frank:" in line or "alice:" in line)
+    # The command's start: the memory column, in format_size's units ("13 MiB/39.2 GiB"),
+    # leaves the processes a few characters fewer than a column of bare GiB did.
+    assert "pyth" in next(line for line in lines if "frank:" in line or "alice:" in line)
 
 
 def test_list_on_a_wide_terminal_keeps_the_bar_power_and_process_memory() -> None:
@@ -69,6 +73,21 @@ def test_list_on_a_wide_terminal_keeps_the_bar_power_and_process_memory() -> Non
     assert "█" in row
     assert "389/400 W" in row
     assert "alice:40211 python train.py (71 GiB)" in row
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_memory_column_writes_sizes_as_every_other_gpukit_output_does(width: int) -> None:
+    # An H100 "80GB" has 81559 MiB: 79.6 GiB, not 80; 300 MiB in use is not "0.3".
+    busy = replace(_gpu(0, pci="0000:01:00.0"), memory_used=71 * 2**30)
+    light = replace(
+        _gpu(1, pci="0000:02:00.0"), memory_total=81559 * 2**20, memory_used=300 * 2**20
+    )
+    inv = Inventory(gpus=(busy, light))
+    _, first, second = _render(build_table(inv, resolve(None, None, inv), claims={}), width)
+    assert f"{format_size(71 * 2**30).split()[0]}/{format_size(80 * 2**30)}" in first
+    assert "71/80 GiB" in first
+    assert f"{format_size(300 * 2**20)}/{format_size(81559 * 2**20)}" in second
+    assert "300 MiB/79.6 GiB" in second
 
 
 def test_hosts_table_headers_match_cells_when_cuda_and_pci_orders_differ() -> None:

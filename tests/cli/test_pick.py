@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import inventory
-from tests.conftest import CliRunner
+from gpukit.sharing.claims import claim
+from tests.helpers import ROOT, CliRunner
 
 
 def _env(machines_dir: Path, tmp_path: Path, machine: str) -> dict[str, str | None]:
@@ -39,7 +39,7 @@ def test_each_command_says_on_stderr_that_it_reads_a_fake_machine(
 
 def test_the_fake_machine_banner_is_written_in_one_place() -> None:
     # One function says it, so that every command says it alike.
-    src = Path(__file__).resolve().parents[2] / "src" / "gpukit"
+    src = ROOT / "src" / "gpukit"
     places = [p.name for p in src.rglob("*.py") if "reading a fake machine" in p.read_text()]
     assert places == ["_output.py"]
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gpukit.gpus.sharing import SCHEMA
-from gpukit.gpus.usage import held_runs
+from gpukit.sharing.report import SCHEMA
+from gpukit.sharing.usage import held_runs
+from tests.helpers import MACHINES, ROOT
 
 if TYPE_CHECKING:
-    from tests.conftest import CliRunner
+    from tests.helpers import CliRunner
 
-ROOT = Path(__file__).resolve().parents[2]
-L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
+L4 = MACHINES / "server-4xL4-idle.json"
 NOBODY = 65534
 
 
@@ -259,7 +259,7 @@ def _as_nobody(folder: str, out: Any) -> None:
     import io
 
     from gpukit.cli.main import main
-    from gpukit.gpus.claims import claim
+    from gpukit.sharing.claims import claim
 
     os.setgroups([])
     os.setgid(NOBODY)
@@ -326,7 +326,7 @@ def test_another_user_than_the_lock_folders_creator_can_claim_queue_and_count_us
 def test_queue_shows_each_waiters_command_in_its_table_and_its_json(
     run_cli: CliRunner, locks: Path
 ) -> None:
-    from gpukit.gpus.waiting import Ticket
+    from gpukit.sharing.tickets import Ticket
 
     env: dict[str, str | None] = {"GPUKIT_FAKE_NVML": str(L4), "GPUKIT_LOCK_DIR": str(locks)}
     with Ticket(locks, command="python train.py --lr 3"):
@@ -361,8 +361,8 @@ def test_a_holder_without_an_account_has_one_name_in_gpukit_list_and_gpukit_queu
     import pwd
 
     from gpukit.cli.main import main
-    from gpukit.gpus.claims import claim
     from gpukit.gpus.inventory import inventory
+    from gpukit.sharing.claims import claim
 
     for name, value in _env(locks).items():
         monkeypatch.setenv(name, value)

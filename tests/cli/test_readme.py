@@ -8,7 +8,7 @@ import re
 import pytest
 
 from gpukit.cli.main import COMMANDS, _subparser, build_parser
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.cli.run import _Status, ddp_command
-from gpukit.gpus.claims import claim, current_claims
-from gpukit.gpus.ledger import ledger_name
-from tests.conftest import ROOT, CliRunner
+from gpukit.cli.run import _Status
+from gpukit.distributed.torchrun import AGENT, ddp_command
+from gpukit.sharing.claims import claim, current_claims
+from gpukit.sharing.ledger import ledger_name
+from tests.helpers import MACHINES, ROOT, CliRunner
 
-MACHINES = ROOT / "tests" / "fixtures" / "machines"
 L4 = MACHINES / "server-4xL4-idle.json"
 T4 = MACHINES / "kaggle-2xT4-idle.json"
 FAST = ("--poll", "0.05", "--settle", "1")
@@ -110,7 +110,7 @@ def test_run_holds_the_claim_for_the_command_life_and_not_after(
     run_cli: CliRunner, locks: Path
 ) -> None:
     check = (
-        "import os; from gpukit.gpus.claims import current_claims; "
+        "import os; from gpukit.sharing.claims import current_claims; "
         "print(sorted(h.command for h in current_claims().values()))"
     )
     done = run_cli("run", "--", *_py(check), env=dict(_env(locks)))
@@ -294,7 +294,7 @@ def test_16_concurrent_waiters_never_share_a_gpu_and_all_finish(
 
 def test_ddp_runs_the_script_under_torchrun_with_one_process_per_gpu() -> None:
     argv = ddp_command(["python", "train.py", "--lr", "1"], 4)
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    launcher = ["-m", AGENT, "--standalone", "--nproc-per-node=4"]
     assert argv[1:] == [*launcher, "train.py", "--lr", "1"]
     assert ddp_command(["python", "-m", "pkg.train"], 2)[-2:] == ["-m", "pkg.train"]
     assert ddp_command(["./train.sh"], 2)[-2:] == ["--no-python", "./train.sh"]
@@ -527,7 +527,7 @@ def test_a_forged_early_ticket_made_after_an_honest_waiter_does_not_delay_it(
 ) -> None:
     import json
 
-    from gpukit.gpus.lockfiles import owner_name
+    from gpukit.holders import user_name
 
     uuids = _l4_uuids()
     others = claim(uuids[1:], folder=locks)
@@ -536,7 +536,7 @@ def test_a_forged_early_ticket_made_after_an_honest_waiter_does_not_delay_it(
     _until(lambda: len(list((locks / "queue").glob("*.ticket"))) == 1)
     record = {
         "schema": "gpukit.ticket/1",
-        "user": owner_name(os.getuid()),
+        "user": user_name(os.getuid()),
         "uid": os.getuid(),
         "n": 1,
         "criteria": "",

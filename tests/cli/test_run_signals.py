@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import MACHINES, ROOT
 
-L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
+L4 = MACHINES / "server-4xL4-idle.json"
 
 pytestmark = pytest.mark.skipif(
     not hasattr(signal, "sigtimedwait"), reason="signals are passed on this way only on Linux"

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.cli.run import RESTART_STORE_VAR, ddp_command, ddp_env
-from tests.conftest import CliRunner, run_python
+from gpukit.distributed.torchrun import RESTART_STORE_VAR, SIGNALS_VAR, ddp_command, ddp_env
+from gpukit.supervise import FORWARDED
+from tests.helpers import ROOT, CliRunner, run_python
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "distributed_scripts"
+SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 
 
 def test_torchrun_options_follow_gpukits_so_that_they_win() -> None:
@@ -37,9 +38,19 @@ def test_restarts_asked_for_in_torchruns_own_variable_count_too() -> None:
     assert ddp_env([], {"PET_MAX_RESTARTS": "2"})[RESTART_STORE_VAR] == "1"
 
 
-def test_no_restarts_leave_the_environment_as_it_is() -> None:
+def test_no_restarts_leave_the_store_shared() -> None:
     env = {"PATH": "/bin"}
-    assert ddp_env(["--max-restarts=0", "--rdzv-conf=timeout=60"], env) == env
+    assert RESTART_STORE_VAR not in ddp_env(["--max-restarts=0", "--rdzv-conf=timeout=60"], env)
+
+
+def test_torchrun_is_told_to_pass_every_signal_gpukit_forwards_to_its_workers() -> None:
+    # torch's default leaves out SIGUSR1/SIGUSR2: torchrun died of them, its workers ran on.
+    told = ddp_env([], {"PATH": "/bin"})[SIGNALS_VAR].split(",")
+    assert set(told) == {s.name for s in FORWARDED}
+
+
+def test_a_signal_list_of_the_users_own_wins() -> None:
+    assert ddp_env([], {SIGNALS_VAR: "SIGTERM"})[SIGNALS_VAR] == "SIGTERM"
 
 
 def test_a_store_setting_of_the_users_own_wins() -> None:

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.conftest import subprocess_env
+from tests.helpers import subprocess_env
 
 if TYPE_CHECKING:
-    from tests.conftest import CliRunner
+    from tests.helpers import CliRunner
 
 
 @pytest.fixture

@@ -13,14 +13,14 @@ import pytest
 
 from gpukit.cli.usage import parse_since
 from gpukit.errors import InvalidArgumentError
-from gpukit.gpus.ledger import SCHEMA as LEDGER_SCHEMA
-from gpukit.gpus.usage import SCHEMA, held_runs
+from gpukit.sharing.ledger import SCHEMA as LEDGER_SCHEMA
+from gpukit.sharing.usage import SCHEMA, held_runs
+from tests.helpers import MACHINES
 
 if TYPE_CHECKING:
-    from tests.conftest import CliRunner
+    from tests.helpers import CliRunner
 
-ROOT = Path(__file__).resolve().parents[2]
-L4 = ROOT / "tests" / "fixtures" / "machines" / "server-4xL4-idle.json"
+L4 = MACHINES / "server-4xL4-idle.json"
 NOW = 1_800_000_000.0
 
 

@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 
 from tests.cluster.slurm import Cluster, Munge, Unavailable, available
+from tests.helpers import MACHINES, ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-WORKLOADS = ROOT / "tests" / "distributed_scripts"
+WORKLOADS = ROOT / "tests" / "distributed" / "scripts"
 TRAIN = SCRIPTS / "train.py"
 RESUME = SCRIPTS / "resume.py"
-NO_DRIVER = ROOT / "tests" / "fixtures" / "machines" / "no-driver.json"
+NO_DRIVER = MACHINES / "no-driver.json"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

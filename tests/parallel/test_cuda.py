@@ -16,10 +16,7 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.parallel import _cuda, replicate, scatter
-
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs_one_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
-needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
+from tests.helpers import needs_gpus
 
 
 def _cuda_devices(*indices: int) -> list[torch.device]:
@@ -70,8 +67,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus(2)
 def test_data_parallel_on_two_gpus_moves_with_comm_and_matches_the_plain_module(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -97,8 +93,7 @@ def test_data_parallel_on_two_gpus_moves_with_comm_and_matches_the_plain_module(
     assert gathers  # the output was gathered by comm
 
 
-@pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus(2)
 def test_broadcast_copies_are_differentiable_only_where_gradients_are_needed() -> None:
     weight = torch.ones(3, device="cuda:0", requires_grad=True)
     stats = torch.zeros(3, device="cuda:0")
@@ -113,8 +108,7 @@ def test_broadcast_copies_are_differentiable_only_where_gradients_are_needed() -
     torch.testing.assert_close(weight.grad, torch.ones(3, device="cuda:0"))
 
 
-@pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus(2)
 def test_replicas_on_two_gpus_keep_tied_weights_tied() -> None:
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).cuda(0)
     net[1].weight = net[0].weight
@@ -123,8 +117,7 @@ def test_replicas_on_two_gpus_keep_tied_weights_tied() -> None:
     assert replica[0].weight.device == torch.device("cuda", 1)
 
 
-@pytest.mark.gpu
-@needs_one_gpu
+@needs_gpus(1)
 def test_scatter_from_the_host_to_one_gpu_gives_the_tensor_there() -> None:
     t = torch.arange(6.0).reshape(3, 2)
     (part,) = _cuda.scatter(t, [0], [3], 0)
@@ -132,8 +125,7 @@ def test_scatter_from_the_host_to_one_gpu_gives_the_tensor_there() -> None:
     torch.testing.assert_close(part.cpu(), t)
 
 
-@pytest.mark.gpu
-@needs_one_gpu
+@needs_gpus(1)
 def test_a_repeated_gpu_keeps_the_plain_path_and_the_same_answers() -> None:
     x = torch.randn(6, 4)
     parts = scatter(x, ["cuda:0", "cuda:0"])
@@ -141,8 +133,7 @@ def test_a_repeated_gpu_keeps_the_plain_path_and_the_same_answers() -> None:
     torch.testing.assert_close(torch.cat(parts).cpu(), x)
 
 
-@pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus(2)
 def test_gather_on_two_gpus_joins_outputs_and_names_shapes_that_do_not_fit() -> None:
     from gpukit.errors import GatherError
     from gpukit.parallel import gather

@@ -11,7 +11,8 @@ from torch import nn
 
 import gpukit as gk
 from gpukit.errors import DeviceError, GatherError, InvalidArgumentError
-from tests.refcycles import cyclic_garbage
+from tests.helpers import cuda_devices, needs_gpus
+from tests.helpers.refcycles import cyclic_garbage
 
 
 class _Net(nn.Module):
@@ -202,12 +203,13 @@ def test_empty_device_ids_is_rejected() -> None:
         gk.DataParallel(nn.Linear(2, 2), device_ids=[])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
 def test_default_device_ids_is_the_cpu_without_cuda() -> None:
+    if cuda_devices():  # asked as the test runs, like needs_gpus, not while collecting
+        pytest.skip("checks the CPU-only default; this machine has CUDA devices")
     assert gk.DataParallel(nn.Linear(2, 2)).device_ids == [torch.device("cpu")]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_gpus(1)
 def test_gradients_on_cuda_equal_those_of_the_plain_module() -> None:
     torch.manual_seed(0)
     plain = _Net().cuda()

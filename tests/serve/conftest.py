@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from gpukit.serve import DashboardServer, Sampler
-
-MACHINES = Path(__file__).resolve().parents[1] / "fixtures" / "machines"
+from tests.helpers import MACHINES
 
 
 @dataclass

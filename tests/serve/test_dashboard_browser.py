@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from gpukit.gpus.claims import claim
-from gpukit.gpus.sharing import Sharing
-from gpukit.gpus.waiting import Ticket
 from gpukit.serve import sampler as sampler_module
+from gpukit.sharing.claims import claim
+from gpukit.sharing.report import Sharing
+from gpukit.sharing.tickets import Ticket
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 

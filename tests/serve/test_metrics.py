@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpukit.gpus.claims import claim
-from gpukit.gpus.waiting import Ticket
 from gpukit.serve import Sampler
+from gpukit.sharing.claims import claim
+from gpukit.sharing.tickets import Ticket
 
 A100_0 = "GPU-36f675cc-81e7-4ef5-e8e2-5d940ed90475"
 A100_4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"

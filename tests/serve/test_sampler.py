@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import Inventory
-from gpukit.gpus.waiting import Ticket
 from gpukit.serve import sampler as sampler_module
+from gpukit.sharing.claims import claim
+from gpukit.sharing.tickets import Ticket
 
 A100_4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from gpukit.gpus.claims import claim
 from gpukit.gpus.inventory import SCHEMA, Inventory
-from gpukit.gpus.waiting import Ticket
 from gpukit.serve import DashboardServer, History, Sampler, is_loopback
+from gpukit.sharing.claims import claim
+from gpukit.sharing.tickets import Ticket
 
 A100_4 = "GPU-a170b338-3926-3059-f28c-105d1fb17c23"
 

@@ -132,14 +132,26 @@ def test_a_train_step_without_a_loader_accumulates_k_calls_into_one_step() -> No
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_the_accumulation_state_round_trips_mid_step() -> None:
+def test_a_save_between_micro_batches_is_refused_since_their_gradients_would_be_lost() -> None:
     model = nn.Linear(1, 1).double()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
     step(model(torch.ones(2, 1, dtype=torch.float64)).mean(), count=5)
+    assert step.mid_step
+    with pytest.raises(InvalidArgumentError, match="1 of 3 done"):
+        step.state_dict()
+
+
+def test_the_training_step_state_round_trips_between_optimizer_steps() -> None:
+    model = nn.Linear(1, 1).double()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    for _ in range(3):
+        stepped = step(model(torch.ones(2, 1, dtype=torch.float64)).mean(), count=5)
+    assert stepped
+    assert not step.mid_step
     other = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
     other.load_state_dict(step.state_dict())
     assert other.state_dict() == step.state_dict()
-    assert other.accumulation.local_total == 5
+    assert other.optimizer_steps == 1
 
 
 def test_a_state_saved_with_another_number_of_micro_batches_is_refused() -> None:

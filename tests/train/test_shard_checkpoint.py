@@ -1,8 +1,8 @@
 """gk.save and gk.load of a model sharded over two processes (FSDP2 on gloo), and four.
 
-The test process is rank 0 of a real two-process group (``tests/two_processes.py``). Each save
-is of the model every rank has moved by +1 (``bumped``), so a load that did nothing, or loaded
-a fresh model, is told apart from one that loaded the checkpoint.
+The test process is rank 0 of a real two-process group (``tests/helpers/two_processes.py``).
+Each save is of the model every rank has moved by +1 (``bumped``), so a load that did nothing,
+or loaded a fresh model, is told apart from one that loaded the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import gpukit as gk
 from gpukit.checkpoint.dcp import open_dcp
+from tests.helpers.two_processes import OtherRank, two_processes
 from tests.train import shard_workloads as work
-from tests.two_processes import OtherRank, two_processes
 
 pytestmark = pytest.mark.slow
 

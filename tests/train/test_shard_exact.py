@@ -1,6 +1,6 @@
 """prepare(..., shard=...) on two processes: FSDP2 on gloo, the weights one process ends with.
 
-The test process is rank 0 of a real two-process group (``tests/two_processes.py``); the
+The test process is rank 0 of a real two-process group (``tests/helpers/two_processes.py``); the
 one-process reference runs first, before the group exists.
 """
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.two_processes import OtherRank, two_processes
 from tests.train import shard_workloads as work
-from tests.two_processes import OtherRank, two_processes
 
 pytestmark = pytest.mark.slow
 

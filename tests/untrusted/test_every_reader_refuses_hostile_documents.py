@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpukit.errors import GpukitError, LockFolderError, PolicyError
-from gpukit.gpus import claims, hosts, ledger, line, lockdir, policy
+from gpukit.gpus import hosts
+from gpukit.sharing import claims, ledger, lock_folder, policy, waiters
 from gpukit.untrusted import InvalidInput
 
 FIELDS = [
@@ -110,7 +111,7 @@ def _no_exception_but(allowed: tuple[type[BaseException], ...]) -> Callable[...,
 
 READERS: dict[str, tuple[Callable[[bytes], object], tuple[type[BaseException], ...]]] = {
     "a holder record": (claims._read_holder, ()),
-    "a waiter's ticket": (line._record, ()),
+    "a waiter's ticket": (waiters._record, ()),
     "a ledger line": (lambda data: ledger._valid(data, 0), (InvalidInput,)),
     "a host's gpukit answer": (lambda data: hosts.parse_answer("gpu1", data), ()),
     "a host's nvidia-smi answer": (
@@ -158,4 +159,4 @@ def test_the_machines_config_is_a_table_or_a_lock_folder_error(
     path = tmp_path / "config.toml"
     path.write_text(document)
     path.chmod(0o644)
-    _no_exception_but((LockFolderError,))(lambda: lockdir.read_config(path))
+    _no_exception_but((LockFolderError,))(lambda: lock_folder.read_config(path))

@@ -25,7 +25,9 @@ PARSERS = {
 OWN_DATA = {
     "distributed/launcher.py": "the note a worker of this launch wrote in its private folder",
     "checkpoint/api.py": "a round trip of metadata the caller passed to gk.save",
-    "gpus/claims.py": "the holder record this process has just written, read back for the ledger",
+    "sharing/claims.py": (
+        "the holder record this process has just written, read back for the ledger"
+    ),
 }
 
 

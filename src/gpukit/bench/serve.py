@@ -43,9 +43,9 @@ def _scrape(url: str) -> Callable[[], bytes]:
 
 def _scrape_results(quick: bool) -> list[BenchResult]:
     from gpukit.gpus.inventory import inventory
-    from gpukit.gpus.sharing import sharing
     from gpukit.serve import DashboardServer, Sampler
     from gpukit.serve.metrics import exposition
+    from gpukit.sharing.report import sharing
 
     def on_demand() -> bytes:
         inv = inventory()

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from rich.measure import Measurement
     from rich.text import Text
 
-    from gpukit.gpus.claims import Holder
     from gpukit.gpus.hosts import HostReading
     from gpukit.gpus.inventory import GPU, GpuProcess, Inventory
     from gpukit.gpus.visible import VisibleDevices
+    from gpukit.holders import Holder
 
 _BAR_WIDTH = 10
 _GAP = 2  # rich's padding between two columns
@@ -55,12 +55,25 @@ def _bar(used: int | None, total: int | None) -> str:
     return "█" * filled + "░" * (_BAR_WIDTH - filled)
 
 
+def _used_of(used: int, total: int) -> str:
+    """``'71.6/80 GiB'``, or ``'512 MiB/80 GiB'`` when the two need different units.
+
+    Both sizes are written by :func:`gpukit.sizes.format_size`, as everywhere else in gpukit;
+    a unit the two share is said once, so the column stays narrow.
+    """
+    used_text, total_text = human_bytes(used), human_bytes(total)
+    number, _, unit = used_text.partition(" ")
+    if total_text.endswith(f" {unit}"):
+        return f"{number}/{total_text}"
+    return f"{used_text}/{total_text}"
+
+
 def _memory(used: int | None, total: int | None, *, compact: bool) -> str:
     if used is None or total is None:
         return "n/a" if compact else f"{_bar(used, total)} n/a"
     if compact:
-        return f"{used / 2**30:.1f}/{total / 2**30:.0f} GiB"
-    return f"{_bar(used, total)} {used / 2**30:5.1f}/{total / 2**30:.0f} GiB"
+        return _used_of(used, total)
+    return f"{_bar(used, total)} {_used_of(used, total)}"
 
 
 def _short_name(name: str, parent: str = "") -> str:

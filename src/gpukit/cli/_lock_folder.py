@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 from gpukit.errors import LockFolderError
 
 if TYPE_CHECKING:
-    from gpukit.gpus.claims import Holder
-    from gpukit.gpus.lockdir import LockDirChoice
+    from gpukit.holders import Holder
+    from gpukit.sharing.lock_folder import LockFolderChoice
 
 
 @dataclass(frozen=True)
 class LockFolderState:
     """The lock folder in use, the claims in it, and what went wrong reading either."""
 
-    choice: LockDirChoice | None
+    choice: LockFolderChoice | None
     claims: dict[str, Holder] | None
     error: LockFolderError | None
 
@@ -43,11 +43,11 @@ class LockFolderState:
 
 def read_lock_folder(with_claims: bool = True) -> LockFolderState:
     """The lock folder this process uses, and (``with_claims``) the claims held in it."""
-    from gpukit.gpus.claims import current_claims
-    from gpukit.gpus.lockdir import lock_dir_choice
+    from gpukit.sharing.claims import current_claims
+    from gpukit.sharing.lock_folder import lock_folder_choice
 
     try:
-        choice = lock_dir_choice()
+        choice = lock_folder_choice()
     except LockFolderError as exc:
         return LockFolderState(None, None, exc)
     if not with_claims:

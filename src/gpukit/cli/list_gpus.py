@@ -16,8 +16,9 @@ from gpukit.cli._gpu_table import build_table
 from gpukit.cli._lock_folder import LockFolderState, read_lock_folder
 from gpukit.cli._output import na, print_json, say_if_fake
 from gpukit.errors import ExitCode
+from gpukit.gpus.grants import Grant, granted_gpus
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.visible import Grant, VisibleDevices, granted_gpus, visible_devices
+from gpukit.gpus.visible import VisibleDevices, visible_devices
 from gpukit.untrusted import dumps
 
 if TYPE_CHECKING:

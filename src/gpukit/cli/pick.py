@@ -31,9 +31,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the chosen NVML indices, comma separated (or JSON); exit 4 when too few qualify."""
-    from gpukit.gpus.claims import current_claims
     from gpukit.gpus.inventory import inventory
     from gpukit.gpus.visible import visible_devices
+    from gpukit.sharing.claims import current_claims
 
     criteria = criteria_from(args)
     say_if_fake("pick")

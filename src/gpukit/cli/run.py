@@ -5,12 +5,15 @@
 The command runs with ``CUDA_VISIBLE_DEVICES`` set to the chosen GPUs' nvidia-smi indices and
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so CUDA's numbering matches nvidia-smi's). gpukit stays its
 parent and holds the claims until it exits, passes every signal on to it exactly once (see
-:mod:`gpukit.cli._launch`), and returns its exit status (128+N when a signal N killed it).
+:mod:`gpukit.supervise`), and returns its exit status (128+N when a signal N killed it).
+
+A process the command leaves behind (``cmd &``, torchrun's workers when torchrun is killed)
+becomes gpukit's child (gpukit is their subreaper), and the claims last until it has ended too.
 
 The claims belong to gpukit alone: the lock descriptors are close-on-exec, so the command does
 not inherit them. Were it to inherit them, a command outliving gpukit (gpukit killed with
-SIGKILL, or the command leaving a daemon behind) would keep the GPUs claimed in the name of a
-dead process, with nothing to release them. Instead, on Linux the command is asked to stop
+SIGKILL) would keep the GPUs claimed in the name of a dead process, with nothing to release
+them. Instead, on Linux the command is asked to stop
 (SIGTERM) when gpukit dies, and the claims end with gpukit, at once.
 
 Never imports torch (the command may).
@@ -24,19 +27,17 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
 
 from gpukit.cli._args import Number, Seconds
 from gpukit.cli._criteria import add_criteria, criteria_from
-from gpukit.cli._launch import launch
 from gpukit.cli._output import print_error, say_if_fake
-from gpukit.errors import GpukitError, InvalidArgumentError, NoDriverError
-from gpukit.gpus.acquire import POLL_VAR, GpuRequest, acquire_request, poll_interval
-from gpukit.gpus.claims import lock_dir
+from gpukit.distributed.torchrun import ddp_command, ddp_env
+from gpukit.errors import DistributedError, GpukitError, InvalidArgumentError, NoDriverError
 from gpukit.gpus.inventory import inventory
-from gpukit.gpus.policy import load_policy
-
-_PYTHONS = ("python", "python3")
+from gpukit.sharing.acquire import POLL_VAR, GpuRequest, acquire_request, poll_interval
+from gpukit.sharing.lock_folder import lock_folder
+from gpukit.sharing.policy import load_policy
+from gpukit.supervise import supervise
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -108,80 +109,6 @@ def _command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-# torchrun's options that gpukit decides: the processes are the GPUs it claimed (-n).
-_GPUKIT_DECIDES = ("--nproc-per-node", "--nproc_per_node")
-_RESTARTS = ("--max-restarts", "--max_restarts")
-RESTART_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-"""Set for torchrun when restarts are asked for: with the rendezvous's TCP store shared with
-the workers (torch's default), a restarted gloo group fails or hangs."""
-
-
-def _check_torchrun_options(options: Sequence[str]) -> None:
-    for option in options:
-        name = option.partition("=")[0]
-        if not option.startswith("-"):
-            raise InvalidArgumentError(
-                f"--torchrun-arg={option!r} is not a torchrun option.",
-                hint="Give one option each, with its value after '=': "
-                "--torchrun-arg=--max-restarts=3; the command goes after `--`.",
-            )
-        if name in _GPUKIT_DECIDES:
-            raise InvalidArgumentError(
-                f"--torchrun-arg={option}: gpukit starts one process per GPU it claims.",
-                hint="Ask for the GPUs with -n N instead: gpukit run --ddp -n N -- train.py",
-            )
-
-
-def _restarts(options: Sequence[str], env: Mapping[str, str]) -> bool:
-    """True when torchrun is asked to restart failed workers (``--max-restarts``, ``$PET_``)."""
-    asked = env.get("PET_MAX_RESTARTS", "")
-    for i, option in enumerate(options):
-        name, eq, value = option.partition("=")
-        if name in _RESTARTS:
-            asked = value if eq else (options[i + 1] if i + 1 < len(options) else "")
-    return asked.strip().isdigit() and int(asked) > 0
-
-
-def ddp_env(options: Sequence[str], env: dict[str, str]) -> dict[str, str]:
-    """The environment torchrun runs in: ``env``, and what its restarts need when asked for."""
-    if _restarts(options, env):
-        return {RESTART_STORE_VAR: "1", **env}  # one set by the user wins
-    return env
-
-
-def ddp_command(cmd: Sequence[str], nproc: int, options: Sequence[str] = ()) -> list[str]:
-    """``cmd`` under torchrun with ``nproc`` processes on this machine.
-
-    ``python train.py ...`` becomes ``torchrun train.py ...``, ``python -m pkg`` becomes
-    ``torchrun -m pkg``, and any other program (``python -u train.py`` included) runs with
-    ``--no-python``. On one machine ``--standalone`` gives each job its own rendezvous port, so
-    two jobs on one server do not collide; in a multi-node job the options come from
-    :func:`gpukit.distributed.torchrun_args` (the job's nodes and a rendezvous derived from it).
-    ``options`` (``--torchrun-arg``) follow gpukit's, so that they win. A job that cannot work
-    this way (several tasks on one node, the batch script of a multi-node job) is a usage
-    error, with the command that works in its hint.
-    """
-    from gpukit.distributed.torchrun import torchrun_args
-    from gpukit.errors import DistributedError
-
-    _check_torchrun_options(options)
-    try:
-        ours = torchrun_args(nproc)
-    except DistributedError as exc:
-        raise InvalidArgumentError(exc.message, hint=exc.hint) from exc
-    launcher = [sys.executable, "-m", "torch.distributed.run", *ours, *options]
-    program = os.path.basename(cmd[0])
-    # torchrun takes the script or -m, not python's own options (python -u train.py): with
-    # those, it runs the whole python command line as a program instead.
-    if program.startswith(_PYTHONS) and len(cmd) > 1 and not cmd[1].startswith("-"):
-        return [*launcher, *cmd[1:]]
-    if program.startswith(_PYTHONS) and len(cmd) > 2 and cmd[1] == "-m":
-        return [*launcher, *cmd[1:]]
-    if program.endswith(".py"):
-        return [*launcher, *cmd]
-    return [*launcher, "--no-python", *cmd]
-
-
 class _Status:
     """A live status line on a terminal; plain lines, only when the text changes, in a log."""
 
@@ -229,6 +156,17 @@ def _fit(text: str, width: int) -> str:
     return f"{text[:head]}...{text[len(text) - (width - 3 - head) :]}"
 
 
+def _say_leftovers(pids: list[int]) -> None:
+    listed = " ".join(map(str, pids[:10])) + (" ..." if len(pids) > 10 else "")
+    print(
+        f"gpukit run: the command has ended, but {len(pids)} process"
+        f"{'es' if len(pids) != 1 else ''} it started still run{'s' if len(pids) == 1 else ''} "
+        f"(pid {listed}): the GPUs stay claimed until they end (Ctrl-C, or kill, passes on).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _cpu_only(args: argparse.Namespace, argv: list[str], reason: NoDriverError) -> int:
     print(
         f"gpukit run: {reason.message} --cpu-ok: running the command on the CPU "
@@ -237,7 +175,9 @@ def _cpu_only(args: argparse.Namespace, argv: list[str], reason: NoDriverError) 
         flush=True,
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return launch(argv, ddp_env(args.torchrun_arg, env) if args.ddp else env)
+    return supervise(
+        argv, ddp_env(args.torchrun_arg, env) if args.ddp else env, on_leftovers=_say_leftovers
+    )
 
 
 def _request(args: argparse.Namespace) -> GpuRequest:
@@ -267,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
             hint="Add --ddp: gpukit run --ddp -n N --torchrun-arg=OPT -- train.py",
         )
     # Under --ddp, a job that cannot work this way is refused before any GPU is claimed.
-    argv = ddp_command(cmd, args.gpus, args.torchrun_arg) if args.ddp else cmd
+    try:
+        argv = ddp_command(cmd, args.gpus, args.torchrun_arg) if args.ddp else cmd
+    except DistributedError as exc:  # the job, as the command line places it: a usage error
+        raise InvalidArgumentError(exc.message, hint=exc.hint) from exc
     say_if_fake("run")
     try:
         machine = inventory()
@@ -275,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         if args.cpu_ok:
             return _cpu_only(args, argv, exc)
         raise
-    folder = lock_dir()
+    folder = lock_folder()
     policy = load_policy(folder)
     # A co-user's policy.toml: not a policy, but the administrator may want to know.
     if policy.ignored:
@@ -300,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
     with held:
         visible = ",".join(str(i) for i in held.indices)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        code = launch(argv, ddp_env(args.torchrun_arg, env) if args.ddp else env)
+        code = supervise(
+            argv,
+            ddp_env(args.torchrun_arg, env) if args.ddp else env,
+            on_leftovers=_say_leftovers,
+        )
         held.release(exit_code=code)  # the ledger records how the command ended
         return code

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from gpukit.cli._output import say_if_fake
 from gpukit.errors import NoDriverError, NvmlError
-from gpukit.gpus.lock_setup import setup_lock_dir
-from gpukit.gpus.lockdir import ADMIN_LOCK_DIR
+from gpukit.sharing.lock_folder import ADMIN_LOCK_FOLDER
+from gpukit.sharing.lock_setup import setup_lock_dir
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +20,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "folder",
         nargs="?",
         type=Path,
-        default=ADMIN_LOCK_DIR,
-        help=f"the lock folder to set up (default {ADMIN_LOCK_DIR})",
+        default=ADMIN_LOCK_FOLDER,
+        help=f"the lock folder to set up (default {ADMIN_LOCK_FOLDER})",
     )
     parser.add_argument(
         "--no-config",

@@ -14,6 +14,9 @@ The same script runs with ``python train.py`` (one process, nothing to set up) a
             opt.zero_grad(); loss.backward(); opt.step()   # DDP averages the gradients
         dist.print_main(f"epoch {epoch}: loss {dist.all_reduce_mean(loss, weight=len(x)):.3f}")
 
+With ``prepare(..., accumulate=K, precision="auto")`` the loop ends each batch with
+``dist.step(loss)`` instead (see :mod:`gpukit.train.step`).
+
 Process groups, rendezvous and launching are torch.distributed's and torchrun's, under the
 cluster's own scheduler; this module only reads the job's environment (torchrun, Slurm, Open
 MPI, SkyPilot: :func:`environment`), picks the backend and device, and wires the model and data.

@@ -33,6 +33,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
+from gpukit.distributed.position import checked_position, worker_base
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.step import TrainStep, done_feeding, feeding
 from gpukit.transfer import to_device
@@ -197,6 +198,7 @@ class RankBatches(Sampler[list[int]]):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
+        self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` for the next pass."""
@@ -211,15 +213,18 @@ class RankBatches(Sampler[list[int]]):
         return torch.randperm(self.dataset_len, generator=gen).tolist()
 
     def global_batches(self) -> list[list[int]]:
-        """Every global batch of this epoch (the last one shorter unless drop_last).
+        """Every global batch of this epoch from ``start`` on (the last one shorter unless
+        drop_last).
 
-        With a ``window`` of K micro-batches per step, drop_last drops the last incomplete
-        window, so every optimizer step sees a whole global batch.
+        ``start`` counts samples of the epoch's order already consumed, so the rest is cut the
+        same for any world size. With a ``window`` of K micro-batches per step, drop_last drops
+        the last incomplete window, so every optimizer step sees a whole global batch.
         """
         order, size = self.order(), self.global_batch_size
         if self.drop_last:
             whole = size * self.window
             order = order[: len(order) // whole * whole]
+        order = order[self.start :]
         return [order[i : i + size] for i in range(0, len(order), size)]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -231,6 +236,26 @@ class RankBatches(Sampler[list[int]]):
             return self.dataset_len // (self.global_batch_size * self.window) * self.window
         full, rest = divmod(self.dataset_len, self.global_batch_size)
         return full + (1 if rest else 0)
+
+    def epoch_samples(self) -> int:
+        """How many samples of the order one whole epoch consumes (drop_last drops the tail)."""
+        if self.drop_last:
+            return self.dataset_len - self.dataset_len % (self.global_batch_size * self.window)
+        return self.dataset_len
+
+
+def _batches_before(sizes: list[int], consumed: int) -> int:
+    """How many of an epoch's global batches of ``sizes`` the first ``consumed`` samples fill.
+
+    >>> _batches_before([4, 4, 2], 8), _batches_before([4, 4, 2], 0)
+    (2, 0)
+    """
+    total = 0
+    for index, size in enumerate(sizes):
+        if total >= consumed:
+            return index
+        total += size
+    return len(sizes)
 
 
 class _EmptyAware:
@@ -319,7 +344,9 @@ class DistributedLoader:
 
     Each pass calls ``set_epoch`` on the sampler with the pass number (or the value given to
     :meth:`set_epoch`), so shuffling differs per epoch and agrees across processes. Every rank
-    yields ``len(self)`` batches; the last may be shorter, or empty on some ranks.
+    yields ``len(self)`` batches; the last may be shorter, or empty on some ranks. A pass left
+    before its last batch (``break``) keeps its place: the next pass continues that epoch, so
+    a state saved after the loop has left it resumes where the loop stopped.
     ``batch_size`` is per process and micro-batch; ``global_batch_size`` is what one optimizer
     step sees over all processes and its ``accumulate`` micro-batches.
     """
@@ -352,9 +379,14 @@ class DistributedLoader:
             drop_last=loader.drop_last,
             window=accumulate,
         )
+        # The workers' base seed comes from this generator, reseeded each pass from (seed, epoch,
+        # rank): a pass then draws nothing from the process's own torch stream, and a pass
+        # resumed mid-epoch gives its workers the seeds the uninterrupted pass gave them.
+        self._worker_seeds = torch.Generator()
         self.loader: DataLoader[Any] = DataLoader(
             dataset,
             batch_sampler=self.sampler,
+            generator=self._worker_seeds,
             num_workers=loader.num_workers,
             collate_fn=_EmptyAware(loader.collate_fn, dataset),  # type: ignore[arg-type]
             pin_memory=loader.pin_memory or device.type == "cuda",
@@ -372,42 +404,112 @@ class DistributedLoader:
         self.device = device
         self.rank = rank
         self.world_size = world_size
-        self._epoch = 0
-        self._epoch_set = False
+        self._epoch = 0  # the epoch of the pass in progress, or else of the next pass
+        self._consumed = 0  # samples of that epoch's order consumed (see state_dict)
+        self._in_pass = False
+        self._next_epoch: int | None = None  # chosen by set_epoch during a pass
         self.current_len = 0
         self.current_global_len = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next pass's shuffle; the passes after it count on from there."""
+        """Use ``epoch`` for the next pass's shuffle; the passes after it count on from there.
+
+        Setting the epoch the loader is already in keeps its position inside that epoch (after
+        :meth:`load_state_dict`, or a pass left early); another epoch starts at its beginning.
+        """
+        if self._in_pass:
+            self._next_epoch = epoch  # chooses the next pass; this one keeps its position
+            return
+        if epoch != self._epoch:
+            self._consumed = 0
         self._epoch = epoch
-        self._epoch_set = True
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch comes from."""
+        return self._epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next batch comes from: the epoch and the samples of its order consumed.
+
+        The position counts samples of the epoch's global order (the same for any world size),
+        so the state resumes on another number of processes: the rest of the epoch is dealt
+        out again, no sample repeated or skipped. A batch counts as consumed once it has been
+        handed out, so save after the step that used it.
+        """
+        epoch, consumed = self._epoch, self._consumed
+        if consumed >= self.sampler.epoch_samples():
+            epoch, consumed = epoch + 1, 0  # the epoch's last batch is out: the next one is next
+        return {
+            "epoch": epoch,
+            "consumed": consumed,
+            "seed": self.sampler.seed,
+            "shuffle": int(self.sampler.shuffle),
+            "dataset_len": self.sampler.dataset_len,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next pass starts where that one stopped.
+
+        Index arithmetic, not replay: resuming at batch 10,000 costs what batch 10 costs.
+
+        Raises:
+            InvalidArgumentError: the state is not a loader's, or it describes another
+                dataset length, seed or shuffle than this loader's.
+        """
+        checked_position(
+            state,
+            seed=self.sampler.seed,
+            shuffle=self.sampler.shuffle,
+            dataset_len=self.sampler.dataset_len,
+        )  # checked before anything changes
+        self._epoch = int(state["epoch"])
+        self._consumed = int(state["consumed"])
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self._epoch)
+        epoch = self._epoch
+        self.sampler.set_epoch(epoch)
+        # Every global batch's size over the whole epoch, and how many of them were consumed
+        # before this pass (a resume, or a pass left early): index arithmetic, no replay.
+        self.sampler.start = 0
         sizes = [len(b) for b in self.sampler.global_batches()]
-        # A set_epoch before this pass is used up now; only one during it chooses the next pass.
-        self._epoch_set = False
+        before = _batches_before(sizes, self._consumed)
+        self.sampler.start = self._consumed  # mid-epoch: only the rest of the epoch's order
+        self._worker_seeds.manual_seed(worker_base(self.sampler.seed, epoch, self.rank))
+        self._in_pass, self._next_epoch = True, None
         self.current_len = 0
         self.current_global_len = 0
+        ended = False
         _ACTIVE.append(self)
         if self.train_step is not None:
             feeding(self.train_step)
         try:
             for step, batch in enumerate(self.loader):
-                self.current_global_len = sizes[step]
-                self.current_len = len(share(sizes[step], self.world_size, self.rank))
+                self.current_global_len = sizes[before + step]
+                self.current_len = len(share(sizes[before + step], self.world_size, self.rank))
                 if self.train_step is not None:
-                    self._place(step, sizes)
+                    self._place(before + step, sizes)
+                self._consumed += sizes[before + step]
                 yield to_device(batch, self.device)
+            ended = True
         finally:
             _ACTIVE.remove(self)
             if self.train_step is not None:
                 done_feeding(self.train_step)
-            if not self._epoch_set:
-                self._epoch += 1
+            self.sampler.start = 0
+            self._in_pass = False
+            if (chosen := self._chosen_next()) is not None:
+                self._epoch, self._consumed = chosen, 0
+            elif ended or self._consumed >= self.sampler.epoch_samples():
+                self._epoch, self._consumed = epoch + 1, 0
+            # else a pass left early (break): it keeps its place, the next pass continues it
+
+    def _chosen_next(self) -> int | None:
+        """The epoch a set_epoch during the pass chose for the next pass, if any."""
+        return self._next_epoch
 
     def _place(self, step: int, sizes: list[int]) -> None:
         """Tell the training step where micro-batch ``step`` sits in its optimizer step."""

@@ -40,7 +40,7 @@ from gpukit.errors import DistributedError
 
 __all__ = [
     "Environment",
-    "check_devices",
+    "check_local_ranks_fit",
     "environment",
     "job_port",
     "launcher_names",
@@ -442,7 +442,7 @@ def launcher_names(source: str | None) -> tuple[str, str]:
     return _NO_LAUNCHER if found is None else found.local_names
 
 
-def check_devices(found: Environment, visible: int, what: str) -> None:
+def check_local_ranks_fit(found: Environment, visible: int, what: str) -> None:
     """Refuse local ranks beyond the ``visible`` GPUs, which would hang in the rendezvous.
 
     Every process of the node sees the same counts, so every one refuses, not only the one
@@ -486,7 +486,9 @@ def _check(found: Environment, env: Mapping[str, str]) -> Environment:
         )
     visible = _visible_count(env)
     if visible is not None:
-        check_devices(found, visible, f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}")
+        check_local_ranks_fit(
+            found, visible, f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')}"
+        )
     if found.world_size > 1 and (found.master_addr is None or found.master_port is None):
         missing = " and ".join(
             name

@@ -25,7 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gpukit.devices import device as _auto_device
-from gpukit.distributed.environment import Environment, check_devices, environment
+from gpukit.distributed.environment import Environment, check_local_ranks_fit, environment
 from gpukit.errors import DistributedError, InvalidArgumentError
 
 T = TypeVar("T")
@@ -82,7 +82,7 @@ def _pick(found: Environment, backend: str | None) -> tuple[str, torch.device]:
         return backend or "gloo", torch.device("cpu")
     # A local rank beyond this process's GPUs would wait forever for a peer that never joins:
     # say so now, naming the variables, instead of falling back or hanging in the rendezvous.
-    check_devices(found, count, "CUDA (torch.cuda.device_count())")
+    check_local_ranks_fit(found, count, "CUDA (torch.cuda.device_count())")
     return backend or "nccl", torch.device("cuda", found.cuda_index)
 
 

@@ -4,21 +4,39 @@ Where the job is (:func:`~gpukit.distributed.environment.environment`) decides w
 told: ``--standalone`` on one node, else the job's node count and a c10d rendezvous on its first
 node, at a port derived from the job, so no address is exported by hand. Launches that would
 start a torchrun per task, or torchrun inside torchrun, are refused here, before anything runs.
+
+:func:`ddp_command` and :func:`ddp_env` make ``gpukit run --ddp``'s whole torchrun command and
+its environment. torchrun passes on to its workers (each in a session of its own, which no
+signal to torchrun's group reaches) only the signals named in its ``--signals-to-handle``;
+torch's default leaves out SIGUSR1 and SIGUSR2, and one of those, Slurm's usual "save now"
+(``--signal=USR1@90``), killed torchrun and left its workers running without it. gpukit names
+every signal it forwards (:data:`gpukit.supervise.FORWARDED`), so each reaches every worker and
+torchrun lives until they end: after passing a signal on it waits for its workers
+(``--shutdown-timeout``, 30 seconds unless told otherwise) and only then kills the ones left;
+a second signal meanwhile (Slurm's copy of the one gpukit forwards) is passed on too, instead of
+cutting that wait short (:mod:`gpukit.distributed.torchrun_agent`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 
 from gpukit.distributed.environment import (
     environment,
     launcher_names,
     slurm_allocation_nodes,
 )
-from gpukit.errors import DistributedError
+from gpukit.errors import DistributedError, InvalidArgumentError
+from gpukit.supervise import FORWARDED
 
-__all__ = ["torchrun_args"]
+__all__ = ["AGENT", "RESTART_STORE_VAR", "SIGNALS_VAR", "ddp_command", "ddp_env", "torchrun_args"]
+
+_PYTHONS = ("python", "python3")
+AGENT = "gpukit.distributed.torchrun_agent"
+"""The module ``gpukit run --ddp`` runs as torchrun: torchrun, made to act on one signal and
+pass the later ones on (see :mod:`gpukit.distributed.torchrun_agent`)."""
 
 
 def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> list[str]:
@@ -87,3 +105,87 @@ def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> 
         f"--rdzv-endpoint={found.master_addr}:{found.master_port}",
         f"--rdzv-id={run_id}",
     ]
+
+
+# torchrun's options that gpukit decides: the processes are the GPUs it claimed (-n).
+_GPUKIT_DECIDES = ("--nproc-per-node", "--nproc_per_node")
+_RESTARTS = ("--max-restarts", "--max_restarts")
+RESTART_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set for torchrun when restarts are asked for: with the rendezvous's TCP store shared with
+the workers (torch's default), a restarted gloo group fails or hangs."""
+
+
+def _check_torchrun_options(options: Sequence[str]) -> None:
+    for option in options:
+        name = option.partition("=")[0]
+        if not option.startswith("-"):
+            raise InvalidArgumentError(
+                f"--torchrun-arg={option!r} is not a torchrun option.",
+                hint="Give one option each, with its value after '=': "
+                "--torchrun-arg=--max-restarts=3; the command goes after `--`.",
+            )
+        if name in _GPUKIT_DECIDES:
+            raise InvalidArgumentError(
+                f"--torchrun-arg={option}: gpukit starts one process per GPU it claims.",
+                hint="Ask for the GPUs with -n N instead: gpukit run --ddp -n N -- train.py",
+            )
+
+
+def _restarts(options: Sequence[str], env: Mapping[str, str]) -> bool:
+    """True when torchrun is asked to restart failed workers (``--max-restarts``, ``$PET_``)."""
+    asked = env.get("PET_MAX_RESTARTS", "")
+    for i, option in enumerate(options):
+        name, eq, value = option.partition("=")
+        if name in _RESTARTS:
+            asked = value if eq else (options[i + 1] if i + 1 < len(options) else "")
+    return asked.strip().isdigit() and int(asked) > 0
+
+
+SIGNALS_VAR = "PET_SIGNALS_TO_HANDLE"
+"""torchrun's ``--signals-to-handle`` as its environment gives it: a torch that has no such
+option ignores the variable, where the option itself would stop it with a usage error."""
+
+
+def ddp_env(options: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The environment torchrun runs in: ``env``, the signals it must pass on to its workers
+    (every one gpukit forwards), and what its restarts need when asked for. A value the user
+    set wins, and so does ``--torchrun-arg=--signals-to-handle=...``.
+
+    >>> ddp_env([], {})["PET_SIGNALS_TO_HANDLE"]
+    'SIGINT,SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2'
+    """
+    ours = {SIGNALS_VAR: ",".join(s.name for s in FORWARDED)}
+    if _restarts(options, env):
+        ours[RESTART_STORE_VAR] = "1"
+    return {**ours, **env}
+
+
+def ddp_command(cmd: Sequence[str], nproc: int, options: Sequence[str] = ()) -> list[str]:
+    """``cmd`` under torchrun with ``nproc`` processes on this machine.
+
+    ``python train.py ...`` becomes ``torchrun train.py ...`` (torchrun being
+    :data:`AGENT`), ``python -m pkg`` becomes
+    ``torchrun -m pkg``, and any other program (``python -u train.py`` included) runs with
+    ``--no-python``. On one machine ``--standalone`` gives each job its own rendezvous port, so
+    two jobs on one server do not collide; in a multi-node job the options come from
+    :func:`gpukit.distributed.torchrun_args` (the job's nodes and a rendezvous derived from it).
+    ``options`` (``--torchrun-arg``) follow gpukit's, so that they win. A job that cannot work
+    this way (several tasks on one node, the batch script of a multi-node job) is a usage
+    error, with the command that works in its hint.
+
+    Raises:
+        InvalidArgumentError: an option is not one torchrun option, or sets the process count.
+        DistributedError: the job cannot run this way (see :func:`torchrun_args`).
+    """
+    _check_torchrun_options(options)
+    launcher = [sys.executable, "-m", AGENT, *torchrun_args(nproc), *options]
+    program = os.path.basename(cmd[0])
+    # torchrun takes the script or -m, not python's own options (python -u train.py): with
+    # those, it runs the whole python command line as a program instead.
+    if program.startswith(_PYTHONS) and len(cmd) > 1 and not cmd[1].startswith("-"):
+        return [*launcher, *cmd[1:]]
+    if program.startswith(_PYTHONS) and len(cmd) > 2 and cmd[1] == "-m":
+        return [*launcher, *cmd[1:]]
+    if program.endswith(".py"):
+        return [*launcher, *cmd]
+    return [*launcher, "--no-python", *cmd]

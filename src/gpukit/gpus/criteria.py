@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpukit.errors import InvalidArgumentError
+from gpukit.gpus.grants import Grant
 from gpukit.gpus.inventory import GPU, Inventory
-from gpukit.gpus.visible import Grant
 from gpukit.sizes import MOST_SIZE, format_size, parse_size
 from gpukit.untrusted import InvalidInput, as_dict, as_int, as_list, as_str
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpukit.errors import GpukitError, InvalidArgumentError
-from gpukit.gpus.claims import Holder
 from gpukit.gpus.inventory import GPU, GpuProcess, Inventory, MigInstance
 from gpukit.gpus.inventory import SCHEMA as INVENTORY_SCHEMA
+from gpukit.holders import Holder
 from gpukit.sizes import format_size
 from gpukit.untrusted import (
     InvalidInput,

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
-from gpukit.gpus.lockfiles import owner_name
+from gpukit.holders import user_name
 from gpukit.untrusted import parse_json, printable
 
 SCHEMA = "gpukit.inventory/1"
@@ -306,7 +306,7 @@ def _proc_owner_and_command(pid: int) -> tuple[str | None, str | None]:
     except OSError:
         return None, None
     text = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    return owner_name(uid), printable(text, limit=_COMMAND_LIMIT)
+    return user_name(uid), printable(text, limit=_COMMAND_LIMIT)
 
 
 def _processes(read: _Reader, handle: Any) -> tuple[GpuProcess, ...]:
@@ -394,7 +394,12 @@ def _cuda_version(value: int | None) -> str | None:
 def inventory() -> Inventory:
     """Read every GPU from NVML: memory, load, temperature, power, processes, MIG instances.
 
-    Raises :class:`~gpukit.errors.NoDriverError` when there is no NVIDIA driver or NVML.
+    Raises:
+        NoDriverError: no NVIDIA driver, or no NVML (the nvidia-ml-py package), on this
+            machine (exit 3).
+        NvmlError: NVML started but could not list the GPUs.
+        InvalidArgumentError: ``GPUKIT_FAKE_NVML`` names a machine description gpukit
+            refuses (exit 2).
     """
     start = time.perf_counter()
     nvml, source = _session()

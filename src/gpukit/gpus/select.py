@@ -1,47 +1,37 @@
-"""Choosing GPUs by criteria: free memory, utilisation, processes, claims by other gpukit users.
-
->>> import gpukit as gk
->>> [g.index for g in gk.pick(2)]                          # doctest: +SKIP
-[2, 4]
->>> gk.pick(1, min_free="60GiB", max_util=10)              # doctest: +SKIP
-Traceback (most recent call last):
-NoGpuAvailableError: Asked for 1 GPU(s) with at least 60 GiB free, at most 10% busy: ...
-  GPU 3: 41.5 GiB free < 60 GiB; 1 process (bob, jupyter-kernel)
+"""Judging GPUs against criteria and choosing the best: pure, given the readings.
 
 Without criteria a GPU qualifies only when it is idle: no process holds memory on it. A GPU at
 0 % utilisation whose memory a process holds is *busy* (an open notebook, a paused run), the
 case that pickers reading only utilisation get wrong. Give ``min_free`` to share GPUs by memory
-(processes then do not count unless ``max_processes`` is also given). GPUs claimed by another
-gpukit process (:func:`gpukit.gpus.claims.claim`) are taken, even before their job allocates memory.
+(processes then do not count unless ``max_processes`` is also given). A GPU another gpukit
+process holds (the ``claims`` given, as :func:`gpukit.sharing.claims.current_claims` reads them)
+never qualifies, even before its job allocates memory.
 
-Nothing here imports torch.
+Nothing here reads a lock file or imports torch: :func:`gpukit.sharing.pick.pick` reads the
+claims and the policy, then asks this module.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from gpukit.errors import InvalidArgumentError, NoGpuAvailableError, UserLimitError
-from gpukit.gpus.claims import Claim, Holder, claim, current_claims
+from gpukit.errors import InvalidArgumentError, NoGpuAvailableError
 from gpukit.gpus.criteria import Criteria, names_gpu
+from gpukit.gpus.grants import granted_gpus, granted_inventory
 from gpukit.gpus.inventory import GPU, Inventory
-from gpukit.gpus.policy import Policy, holdings, load_policy
-from gpukit.gpus.visible import granted_gpus
+from gpukit.holders import Holder
 from gpukit.sizes import format_size
 
 __all__ = [
-    "Claim",
+    "ORDERS",
+    "Order",
     "Verdict",
     "assess",
     "best_first",
-    "check_user_limit",
     "choose",
-    "claim",
-    "current_claims",
-    "pick",
+    "no_gpu_error",
     "within_grant",
 ]
 
@@ -198,77 +188,13 @@ def no_gpu_error(
     )
 
 
-def pick(
-    n: int = 1,
-    *,
-    min_free: int | float | str | None = None,
-    max_util: float | None = None,
-    max_processes: int | None = None,
-    exclude: Iterable[int | str] = (),
-    order: Order = "free",
-    inventory: Inventory | None = None,
-    claims: Mapping[str, Holder] | None = None,
-    all_gpus: bool = False,
-) -> list[GPU]:
-    """Choose ``n`` GPUs that meet the criteria, best first (most free memory, by default).
-
-    Reading the machine itself, it chooses only among the GPUs granted to this process by
-    ``CUDA_VISIBLE_DEVICES`` (or Slurm's ``SLURM_JOB_GPUS``), unless ``all_gpus=True``.
-
-    ``min_free``: bytes or a size (``"8GiB"``); ``max_util``: percent; ``max_processes``: how
-    many processes may already hold memory on it (default 0, or no limit when ``min_free`` is
-    given); ``exclude``: NVML indices or UUIDs; ``order``: ``"free"``, ``"util"`` or ``"index"``.
-    GPUs claimed by other gpukit processes never qualify. ``inventory`` and ``claims`` default to
-    the machine's readings now; when ``claims`` is read here, the lock folder's policy
-    (:mod:`gpukit.gpus.policy`) applies too. Raises NoGpuAvailableError explaining each
-    rejection (UserLimitError when the user already holds their share), and
-    InvalidArgumentError when ``exclude`` names a GPU the machine does not have.
-
-    >>> gpus = pick(2, min_free="20GiB")                  # doctest: +SKIP
-    >>> with claim(gpus): ...                             # doctest: +SKIP
-    """
-    criteria = Criteria.make(
-        min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
-    )
-    if inventory is None:
-        from gpukit.gpus.inventory import inventory as read_inventory
-
-        inventory = read_inventory()
-        if not all_gpus:
-            inventory, criteria = within_grant(inventory, n, criteria)
-    if claims is not None:
-        return choose(inventory, n, criteria, order=order, claims=claims)
-    gpus = choose(inventory, n, criteria, order=order, claims=current_claims())
-    check_user_limit(n)
-    return gpus
-
-
-def check_user_limit(n: int, policy: Policy | None = None) -> None:
-    """Raise UserLimitError when this user may not take ``n`` more GPUs under ``policy``.
-
-    ``policy`` defaults to the lock folder's (:func:`~gpukit.gpus.policy.load_policy`).
-    """
-    policy = load_policy() if policy is None else policy
-    if policy.limits.max_gpus_per_user is None:
-        return
-    held = holdings()
-    if policy.refusal(os.getuid(), n, held) is not None:
-        raise UserLimitError(
-            policy.explain(os.getuid(), n, held),
-            hint="Release a claim, ask for fewer GPUs, or wait for your own claims to end "
-            "with `gpukit run --wait`."
-            if policy.could_ever_allow(n)
-            else "Waiting cannot help: ask for fewer GPUs, or ask the administrator.",
-        )
-
-
 def within_grant(
     inv: Inventory, n: int, criteria: Criteria, env: Mapping[str, str] | None = None
 ) -> tuple[Inventory, Criteria]:
     """``inv`` narrowed to the GPUs this process was granted, and ``criteria`` that say so.
 
     The grant is ``CUDA_VISIBLE_DEVICES``, or Slurm's ``SLURM_STEP_GPUS`` / ``SLURM_JOB_GPUS``
-    (:func:`gpukit.gpus.visible.granted_gpus`); without one both come back unchanged. The
+    (:func:`gpukit.gpus.grants.granted_gpus`); without one both come back unchanged. The
     criteria carry the grant as what it is, so messages speak of "the 2 GPUs granted by
     CUDA_VISIBLE_DEVICES" rather than of every other GPU as excluded. ``exclude`` entries are
     checked against the whole machine first (a typo is still refused); those naming a GPU
@@ -281,8 +207,6 @@ def within_grant(
     >>> criteria.describe()                                          # doctest: +SKIP
     'no process on it, granted GPUs 4,5'
     """
-    from gpukit.gpus.visible import granted_inventory
-
     criteria.check_exclude(inv)
     grant = granted_gpus(inv, env)
     if grant is None:

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import sys
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpukit.errors import (
     CudaAlreadyInitializedError,
     InvalidArgumentError,
     NoDriverError,
-    NoGpuAvailableError,
     VisibleDevicesError,
 )
 
@@ -39,8 +37,6 @@ if TYPE_CHECKING:
 
 VAR = "CUDA_VISIBLE_DEVICES"
 ORDER_VAR = "CUDA_DEVICE_ORDER"
-SLURM_GPU_VARS = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
-"""Slurm's lists of the GPUs (NVML indices) given to the step and to the job, in that order."""
 
 Entry = int | str
 
@@ -139,7 +135,8 @@ def parse_visible_devices(value: str | None) -> tuple[Entry, ...] | None:
     return tuple(entries)
 
 
-def _gpus_differ(gpus: Iterable[GPU]) -> bool:
+def gpus_differ(gpus: Iterable[GPU]) -> bool:
+    """True when the readable GPUs are not all one model: CUDA's order may then differ."""
     # A GPU NVML cannot read tells nothing about how CUDA would order it.
     return len({(g.name, g.compute_capability) for g in gpus if g.error is None}) > 1
 
@@ -153,7 +150,7 @@ def cuda_order(inv: Inventory, device_order: str | None = None) -> list[GPU]:
     """
     order = device_order or os.environ.get(ORDER_VAR, "FASTEST_FIRST")
     gpus = sorted(inv.gpus, key=lambda g: g.pci_bus_id or f"{g.index:08d}")
-    if order == "PCI_BUS_ID" or not _gpus_differ(gpus):
+    if order == "PCI_BUS_ID" or not gpus_differ(gpus):
         return gpus
     return sorted(
         gpus, key=lambda g: (g.compute_capability or (0, 0), g.memory_total or 0), reverse=True
@@ -197,7 +194,7 @@ def resolve(env: str | None, device_order: str | None, inv: Inventory | None) ->
     order = cuda_order(inv, order_name)
     if (
         order_name != "PCI_BUS_ID"
-        and _gpus_differ(order)
+        and gpus_differ(order)
         and (entries is None or any(isinstance(e, int) for e in entries))
     ):
         guess = ", ".join(f"cuda:{i}=GPU {g.index} ({g.name})" for i, g in enumerate(order))
@@ -227,6 +224,10 @@ def visible_devices(inventory: Inventory | None = None) -> VisibleDevices:
     """What CUDA will show this process, matched to the machine's GPUs (read from NVML).
 
     Without an NVIDIA driver, ``devices`` is ``None`` and only the parsed entries are given.
+
+    Raises:
+        NvmlError: NVML started but could not read the GPUs.
+        InvalidArgumentError: ``GPUKIT_FAKE_NVML`` names a machine description gpukit refuses.
     """
     if inventory is None:
         from gpukit.gpus.inventory import inventory as read_inventory
@@ -241,7 +242,12 @@ def visible_devices(inventory: Inventory | None = None) -> VisibleDevices:
 def physical_index(i: int, inventory: Inventory | None = None) -> int:
     """The NVML (nvidia-smi) index of the GPU this process calls ``cuda:i``.
 
-    For a MIG instance, the index of the GPU it belongs to. Raises NoDriverError without NVML.
+    For a MIG instance, the index of the GPU it belongs to.
+
+    Raises:
+        InvalidArgumentError: ``i`` is not a whole number.
+        VisibleDevicesError: this process sees no ``cuda:i`` (the message lists what it sees).
+        NoDriverError: no NVIDIA driver or NVML to map it with (exit 3).
     """
     from gpukit.gpus.inventory import inventory as read_inventory
 
@@ -338,13 +344,17 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
     """Make only ``ids`` visible to CUDA in this process, numbered in PCI (nvidia-smi) order.
 
     Sets CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER=PCI_BUS_ID, so integer ids mean what
-    nvidia-smi shows. Returns the value set. Raises CudaAlreadyInitializedError once the CUDA
-    driver has started in this process, by any route (``torch.cuda.is_available()`` starts it
-    while ``torch.cuda.is_initialized()`` stays False), where CUDA would silently ignore the
-    change.
+    nvidia-smi shows. Returns the value set.
 
     >>> set_visible_devices("GPU-6513270e")       # a UUID, or a unique prefix of one
     'GPU-6513270e'
+
+    Raises:
+        CudaAlreadyInitializedError: the CUDA driver has started in this process, by any
+            route (``torch.cuda.is_available()`` starts it while ``torch.cuda.is_initialized()``
+            stays False), so CUDA would silently ignore the change.
+        VisibleDevicesError: an id is no GPU index, UUID or GPU, one is listed twice, or
+            indices and UUIDs are mixed (CUDA would ignore part of the list).
     """
     if isinstance(ids, (int, str)):
         items: list[object] = [p for p in str(ids).split(",") if p.strip()]
@@ -376,101 +386,3 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
     os.environ[ORDER_VAR] = "PCI_BUS_ID"
     os.environ[VAR] = value
     return value
-
-
-@dataclass(frozen=True)
-class Grant:
-    """The GPUs this process may choose among, and the variable that granted them."""
-
-    indices: tuple[int, ...]
-    """NVML (nvidia-smi) indices of the granted GPUs, in the variable's order."""
-    variable: str
-    """``CUDA_VISIBLE_DEVICES``, ``SLURM_STEP_GPUS`` or ``SLURM_JOB_GPUS``."""
-    value: str
-
-    def describe(self) -> str:
-        """``'CUDA_VISIBLE_DEVICES=4,5'``, for messages."""
-        return f"{self.variable}={self.value}"
-
-
-def _slurm_indices(name: str, raw: str, inv: Inventory) -> tuple[int, ...]:
-    indices: list[int] = []
-    for part in raw.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
-        if match is None:
-            raise VisibleDevicesError(
-                f"{name}={raw} is not a list of GPU indices.",
-                hint=f"Unset {name}, or pass --all-gpus to choose among all GPUs.",
-            )
-        lo = int(match.group(1))
-        indices += range(lo, int(match.group(2) or lo) + 1)
-    known = {g.index for g in inv.gpus}
-    unknown = [i for i in indices if i not in known]
-    if unknown:
-        raise VisibleDevicesError(
-            f"{name}={raw} names GPU {', '.join(map(str, unknown))}, which NVML does not show "
-            f"on this machine (it shows {', '.join(map(str, sorted(known))) or 'none'}).",
-            hint="Slurm numbers GPUs as this node's gres.conf does; when it differs from "
-            "nvidia-smi, set CUDA_VISIBLE_DEVICES to the job's GPU UUIDs, or pass --all-gpus.",
-        )
-    return tuple(dict.fromkeys(indices))
-
-
-def granted_gpus(inv: Inventory, env: Mapping[str, str] | None = None) -> Grant | None:
-    """The GPUs this process was granted, as NVML indices; None when nothing restricts it.
-
-    ``CUDA_VISIBLE_DEVICES`` (set by a scheduler or by the user) decides when it is set; else
-    Slurm's ``SLURM_STEP_GPUS``, then ``SLURM_JOB_GPUS``. Its entries map to NVML GPUs
-    exactly: UUIDs (and unique UUID prefixes) by UUID, MIG UUIDs to their GPU, indices by PCI
-    order when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or when every GPU is the same model (CUDA's
-    order is then PCI order). Indices on a machine of mixed GPUs in CUDA's default order are
-    refused with a VisibleDevicesError: CUDA's fastest-first order cannot be known for sure.
-
-    >>> granted_gpus(inv, {"CUDA_VISIBLE_DEVICES": "4"}).indices     # doctest: +SKIP
-    (4,)
-    """
-    env = os.environ if env is None else env
-    value = env.get(VAR)
-    if value is None:
-        for name in SLURM_GPU_VARS:
-            raw = env.get(name)
-            if raw and raw.strip().upper() not in ("N/A", "NONE"):
-                return Grant(_slurm_indices(name, raw, inv), name, raw)
-        return None
-    entries = parse_visible_devices(value) or ()
-    order = env.get(ORDER_VAR, "FASTEST_FIRST")
-    if (
-        order != "PCI_BUS_ID"
-        and _gpus_differ(inv.gpus)
-        and any(isinstance(e, int) for e in entries)
-    ):
-        raise VisibleDevicesError(
-            f"{VAR}={value} counts GPUs in CUDA's fastest-first order, and this machine's GPUs "
-            f"differ ({', '.join(sorted({g.name for g in inv.gpus}))}), so which GPU each "
-            "number names cannot be known for sure.",
-            hint=f"Set {ORDER_VAR}=PCI_BUS_ID (then the numbers are nvidia-smi's), or list the "
-            "GPUs by UUID (`gpukit list`), or pass --all-gpus to choose among all of them.",
-        )
-    view = resolve(value, "PCI_BUS_ID", inv)
-    return Grant(tuple(dict.fromkeys(d.nvml_index for d in view.devices or ())), VAR, value)
-
-
-def granted_inventory(inv: Inventory, n: int, env: Mapping[str, str] | None = None) -> Inventory:
-    """``inv`` with only the granted GPUs (all of them when nothing restricts this process).
-
-    Raises NoGpuAvailableError when fewer than ``n`` GPUs are granted, saying which variable
-    granted which GPUs, and VisibleDevicesError when the grant cannot be mapped exactly.
-    """
-    grant = granted_gpus(inv, env)
-    if grant is None:
-        return inv
-    gpus = tuple(g for g in inv.gpus if g.index in grant.indices)
-    if isinstance(n, int) and len(gpus) < n:  # a bad n is refused by the chooser, by name
-        which = ", ".join(f"GPU {g.index}" for g in gpus) or "none of this machine's GPUs"
-        raise NoGpuAvailableError(
-            f"Asked for {n} GPU{'s' if n != 1 else ''}: {grant.describe()} grants this process "
-            f"{len(gpus)} ({which}).",
-            hint=f"Ask for at most {len(gpus)}, ask the scheduler for more, or pass --all-gpus "
-            "(all_gpus=True) to choose among all of the machine's GPUs.",
-        )
-    return replace(inv, gpus=gpus)

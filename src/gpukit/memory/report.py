@@ -24,22 +24,10 @@ from torch import nn
 from gpukit.devices import DeviceLike
 from gpukit.devices import device as _parse_device
 from gpukit.errors import InvalidArgumentError
-from gpukit.memory.batch_size import find_batch_size, is_out_of_memory
-from gpukit.memory.peak import PeakMemory, track_peak
 from gpukit.memory.stats import cuda_stats, proc_memory
 from gpukit.sizes import format_size
 
-__all__ = [
-    "FreedReport",
-    "MemoryReport",
-    "PeakMemory",
-    "TensorInfo",
-    "find_batch_size",
-    "free_memory",
-    "is_out_of_memory",
-    "memory_report",
-    "track_peak",
-]
+__all__ = ["FreedReport", "MemoryReport", "TensorInfo", "free_memory", "memory_report"]
 
 SCHEMA = "gpukit.memory_report/1"
 _T = TypeVar("_T")

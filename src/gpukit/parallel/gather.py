@@ -65,7 +65,7 @@ class _Gatherer:
             )
         if first is None:
             return None
-        kind = _tree.kind_of(first)
+        kind = _tree.walk_kind(first)
         if kind == _tree.LEAF:
             return list(items)
         keys = [key for key, _ in _tree.children(first, kind)]

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import Inventory
-    from gpukit.gpus.sharing import Sharing
+    from gpukit.sharing.report import Sharing
 
 _COMMAND_CHARS = 120  # a label, not a log: long command lines are cut
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from gpukit.errors import GpukitError, InvalidArgumentError
 from gpukit.gpus.inventory import Inventory, inventory
-from gpukit.gpus.sharing import Sharing, sharing
+from gpukit.sharing.report import Sharing, sharing
 from gpukit.untrusted import dumps, printable
 
 HISTORY_S = 3600.0

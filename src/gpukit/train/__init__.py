@@ -9,16 +9,24 @@ from __future__ import annotations
 
 from gpukit.train.accumulate import Accumulation, AccumulationPlan, plan_accumulation
 from gpukit.train.precision import PRECISIONS, Precision, resolve_precision
+from gpukit.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption, Requeue
 from gpukit.train.scaler import LossScaler
+from gpukit.train.state import Resumed, TrainingState
 from gpukit.train.step import TrainStep, step
 
 __all__ = [
     "PRECISIONS",
+    "PREEMPTED_EXIT_CODE",
     "Accumulation",
     "AccumulationPlan",
     "LossScaler",
     "Precision",
+    "Preempted",
+    "Preemption",
+    "Requeue",
+    "Resumed",
     "TrainStep",
+    "TrainingState",
     "plan_accumulation",
     "resolve_precision",
     "step",

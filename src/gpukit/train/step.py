@@ -64,6 +64,7 @@ class TrainStep:
         self.hooked = hooked
         self.optimizer_steps = 0
         self._stepping = False
+        self._open = False
         optimizer.register_step_pre_hook(self._refuse_a_direct_step)
 
     def _refuse_a_direct_step(self, *_: object) -> None:
@@ -123,6 +124,7 @@ class TrainStep:
             loss = loss * weight
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
         torch.autograd.backward(scaled)
+        self._open = not acc.last
         if not acc.last:
             return False
         if not self.hooked:
@@ -158,8 +160,26 @@ class TrainStep:
         """Optimizer steps skipped for inf/NaN fp16 gradients (0 without a scaler)."""
         return 0 if self.scaler is None else self.scaler.skipped_steps
 
+    @property
+    def mid_step(self) -> bool:
+        """Whether gradients of an unfinished optimizer step are accumulated (between its first
+        micro-batch's backward and its optimizer step)."""
+        return self._open
+
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state, the accumulation's place and the step counts."""
+        """The scaler's state, the accumulation's place and the step counts.
+
+        Raises:
+            InvalidArgumentError: called between the micro-batches of one optimizer step, whose
+                accumulated gradients no state holds.
+        """
+        if self._open:
+            raise InvalidArgumentError(
+                f"the training step is between micro-batches ({self.accumulation.index + 1} of "
+                f"{self.accumulation.length} done): a save now would lose their accumulated "
+                "gradients, and the resumed run would differ.",
+                hint="Save after an optimizer step: when dist.step(...) returned True.",
+            )
         return {
             "optimizer_steps": self.optimizer_steps,
             "accumulation": self.accumulation.state_dict(),

@@ -124,3 +124,9 @@ def accumulated(samples: int, steps: int, optimizer: str, tokens: bool) -> list[
 def table(_: Any = None) -> dict[str, list[float]]:
     """Every case of the table on this process (launched: on each rank of the group)."""
     return {repr(case): accumulated(*case) for case in cases()}
+
+
+def on_rank(rank: int, *case: Any) -> list[float]:
+    """``accumulated(*case)`` on ``rank`` of a group that is already set up (two_processes)."""
+    del rank  # the group knows it
+    return accumulated(*case)

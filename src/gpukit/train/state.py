@@ -1,0 +1,380 @@
+"""The training state: all a run needs to continue, saved crash-consistently, resumed exactly.
+
+>>> import torch, tempfile, gpukit as gk
+>>> model = torch.nn.Linear(2, 1)
+>>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> folder = tempfile.mkdtemp()
+>>> with gk.TrainingState(folder, model=model, optimizer=optimizer) as state:
+...     resumed = state.resume()          # None: nothing saved yet
+...     for _ in range(3):
+...         state.step += 1               # ... one optimizer step ...
+...     saved = state.save()              # blocks only while the state is copied to memory
+>>> resumed is None, saved.name.startswith("step-000000003-")
+(True, True)
+
+What is gathered, each by duck type (anything with ``state_dict``/``load_state_dict``): the model
+(unwrapped from DDP, DataParallel or ``torch.compile``, so a save resumes in any of them), the
+optimizer, an LR scheduler, a gradient scaler, the loader (gpukit's ``DistributedLoader`` keeps
+its epoch and its position inside the epoch), an accumulation counter, user extras (stateful
+objects or plain data), the step counter, and every rank's random streams.
+
+Rank 0 writes what every rank holds alike (the DDP replicas are identical), each rank writes its
+own random streams, and a save is complete only when rank 0 has marked it after all ranks' parts
+are on disk (see :mod:`gpukit.train.saves`). With ``asynchronous=True`` (the default) ``save``
+copies the state to host memory and returns; a background thread writes it, and the next
+``save``, ``resume``, ``wait`` or ``close`` waits for it first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gpukit.train.rng as rng
+import gpukit.train.saves as saves
+from gpukit.checkpoint.keys import unwrap
+from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
+from gpukit.train._staging import Stager, check_plain, is_stateful
+from gpukit.train._writing import SaveJob
+
+__all__ = ["Resumed", "TrainingState"]
+
+log = logging.getLogger("gpukit.train")
+
+# The parts gathered by name, besides the model; each is optional.
+_SLOTS = ("optimizer", "scheduler", "scaler", "loader", "accumulation")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Which save a run resumed from, and what it held besides the stateful objects."""
+
+    path: Path
+    step: int
+    world_size: int
+    """How many processes wrote the save (this run may have another number)."""
+    passed_over: list[str] = field(default_factory=list)
+    """Newer saves that were incomplete or damaged, one line each: why each was not taken."""
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class TrainingState:
+    """The state of a run in ``folder``: :meth:`save` it at any step, :meth:`resume` it exactly.
+
+    Every rank of a job builds it with its own objects and calls :meth:`save` at the same steps
+    (a save is a meeting of all ranks) and :meth:`resume` once, before training. ``keep``
+    complete saves are kept; older ones are removed only once a newer one is complete.
+
+    Raises:
+        InvalidArgumentError: a part lacks ``state_dict``/``load_state_dict``, an extra is
+            neither stateful nor plain data, or ``keep`` is not a positive whole number.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        loader: Any = None,
+        accumulation: Any = None,
+        extras: Mapping[str, Any] | None = None,
+        rank_extras: Mapping[str, Any] | None = None,
+        keep: int = 2,
+        asynchronous: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(
+                f"TrainingState got model={type(model).__name__}, not a torch.nn.Module.",
+                hint="Pass the model being trained (wrapped in DDP or not).",
+            )
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidArgumentError(
+                f"keep={keep!r} is not a number of saves to keep.",
+                hint="Pass a whole number >= 1 (2 keeps one save to fall back on).",
+            )
+        self.folder = Path(folder)
+        self.model = model
+        self.parts: dict[str, Any] = {}
+        if accumulation is None:
+            # A prepared loader carries the training step (scaler, accumulation, step counts).
+            accumulation = getattr(loader, "train_step", None)
+        given = dict(
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            loader=loader,
+            accumulation=accumulation,
+        )
+        for name in _SLOTS:
+            if given[name] is None:
+                continue
+            if not is_stateful(given[name]):
+                raise InvalidArgumentError(
+                    f"TrainingState got {name}={type(given[name]).__name__}, which has no "
+                    "state_dict()/load_state_dict().",
+                    hint=f"Pass a {name} that has both, or pass it in extras as plain data.",
+                )
+            self.parts[name] = given[name]
+        self.extras: dict[str, Any] = _checked_extras(extras, "extras")
+        self.rank_extras: dict[str, Any] = _checked_extras(rank_extras, "rank_extras")
+        self.step = 0
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpukit-save")
+        self._pending: Future[Path] | None = None
+        self._last: Path | None = None
+        self._group: Any = None
+        self._token = ""
+        self._count = 0
+        self._stagers = (Stager(), Stager())  # the shared part, this rank's own
+
+    # --- gathering -------------------------------------------------------------------------
+
+    def _shared(self) -> dict[str, Any]:
+        """What every rank holds alike: written once, by rank 0."""
+        inner, _ = unwrap(self.model)
+        state: dict[str, Any] = {"step": self.step, "model": inner.state_dict()}
+        for name, part in self.parts.items():
+            state[name] = part.state_dict()
+        state["extras"] = _extras_state(self.extras)
+        return state
+
+    def _own(self) -> dict[str, Any]:
+        """What is this rank's own: its random streams, its extras."""
+        return {"rng": rng.capture(), "extras": _extras_state(self.rank_extras)}
+
+    # --- saving ----------------------------------------------------------------------------
+
+    def _start_run(self, rank: int, world: int) -> None:
+        """Agree, once, on a token that names this run's saves (and a group to meet in)."""
+        if world > 1:
+            # Saves meet in their own group: the writer thread's collectives must not
+            # interleave with the training loop's on the default group.
+            self._group = dist.new_group(backend="gloo")
+            token = torch.tensor([secrets.randbits(48) if rank == 0 else 0], dtype=torch.int64)
+            dist.broadcast(token, src=0, group=self._group)
+            self._token = f"{int(token.item()):012x}"
+        else:
+            self._token = secrets.token_hex(6)
+
+    def save(self, *, blocking: bool | None = None) -> Path:
+        """Save the state now into a new folder under ``folder``; return that folder.
+
+        Every rank must call it at the same step. Asynchronous (unless ``blocking=True`` or the
+        state was built with ``asynchronous=False``): the state is copied to host memory, then
+        written by a background thread, and the call returns; the save is complete once
+        :meth:`wait` returns (or the next ``save``).
+
+        Raises:
+            CheckpointError: the previous asynchronous save failed, or this one did (blocking).
+        """
+        self.wait()
+        rank, world = _rank_and_world()
+        if not self._token:
+            self._start_run(rank, world)
+        name = saves.save_name(self.step, self._token, self._count)
+        self._count += 1
+        target = self.folder / name
+        block = not self.asynchronous if blocking is None else blocking
+        shared = self._shared() if rank == 0 else None
+        own = self._own()
+        if not block:
+            # The loop may change the originals as soon as this returns.
+            shared, own = self._stagers[0].stage(shared), self._stagers[1].stage(own)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"Cannot save the training state into {target}: {exc.strerror}.",
+                hint="Pass a folder this process can create and write (on a shared file "
+                "system when the ranks run on several machines).",
+            ) from None
+        job = SaveJob(target, self.step, rank, world, self.keep, self._group, shared, own)
+        if block:
+            self._last = job.run()
+            return target
+        self._pending = self._writer.submit(job.run)
+        return target
+
+    def wait(self) -> Path | None:
+        """Wait for the asynchronous save in progress; return the newest save this object
+        completed (None before any).
+
+        Raises:
+            CheckpointError: the save failed (the previous complete save is left as it was).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._last = pending.result()
+        return self._last
+
+    def close(self) -> None:
+        """Wait for the save in progress and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+
+    def __enter__(self) -> TrainingState:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # the block's own error is the one to see; a failed save is only logged then
+            self.close()
+        except Exception:
+            log.exception("the last save of %s failed too", self.folder)
+
+    # --- resuming --------------------------------------------------------------------------
+
+    def resume(self, folder: str | os.PathLike[str] | None = None) -> Resumed | None:
+        """Load the newest complete save in ``folder`` (this state's folder by default).
+
+        Returns which save was taken (and which newer ones were passed over, and why), or None
+        when there is none: a fresh start. Every rank calls it; rank 0 chooses the save, so all
+        ranks take the same one. A rank beyond the saved world size takes the random streams of
+        rank ``rank % saved_world_size``.
+
+        Raises:
+            CheckpointError: the chosen save does not fit these objects (another model), or a
+                file of it cannot be read.
+        """
+        self.wait()
+        root = self.folder if folder is None else Path(folder)
+        rank, world = _rank_and_world()
+        info, passed = saves.newest(root) if rank == 0 else (None, [])
+        if world > 1:
+            if not self._token:
+                self._start_run(rank, world)
+            info = _agree(info, root, self._group)
+        if info is None:
+            log.info("no complete save in %s: starting from step 0", root)
+            return None
+        shared = saves.load_part(info.path, saves.SHARED)
+        own = saves.load_part(info.path, saves.rank_file(rank % info.world_size))
+        self._load_shared(shared, info.path)
+        if not isinstance(own, dict) or "rng" not in own:
+            raise _malformed(info.path / saves.rank_file(rank % info.world_size), "rng")
+        rng.restore(own["rng"], where=str(info.path))
+        _load_extras(self.rank_extras, own.get("extras"), info.path)
+        log.info(
+            "resumed from %s (step %d, saved by %d process%s)",
+            info.path,
+            info.step,
+            info.world_size,
+            "" if info.world_size == 1 else "es",
+        )
+        return Resumed(info.path, info.step, info.world_size, passed)
+
+    def _load_shared(self, shared: Any, path: Path) -> None:
+        if not isinstance(shared, dict):
+            raise _malformed(path / saves.SHARED, "a mapping")
+        step = shared.get("step")
+        if type(step) is not int or step < 0:
+            raise _malformed(path / saves.SHARED, "the step")
+        inner, _ = unwrap(self.model)
+        try:
+            inner.load_state_dict(shared["model"])
+        except (KeyError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(
+                f"{path} holds another model's weights: {str(exc).splitlines()[0]}",
+                hint="Resume with the model the run saved, or start in another folder.",
+            ) from None
+        for name, part in self.parts.items():
+            if name not in shared:
+                raise CheckpointError(
+                    f"{path} holds no {name} state, and this run has a {name}.",
+                    hint=f"Resume without a {name}, or from a save of a run that had one.",
+                )
+            try:
+                part.load_state_dict(shared[name])
+            except GpukitError:
+                raise
+            except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
+                raise CheckpointError(
+                    f"{path} holds a {name} state that this {name} cannot take: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                    hint=f"Resume with the {name} the run saved (same kind, same parameters).",
+                ) from None
+        _load_extras(self.extras, shared.get("extras"), path)
+        self.step = step
+
+
+def _agree(info: saves.SaveInfo | None, root: Path, group: Any) -> saves.SaveInfo | None:
+    """Rank 0's choice of save, on every rank (each then reads and checks it itself); through
+    the saves' gloo group, which takes CPU tensors whatever the training's backend is."""
+    name = info.path.name.encode() if info is not None else b""
+    buffer = torch.zeros(128, dtype=torch.uint8)  # a save name is at most 67 bytes
+    buffer[: len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0, group=group)
+    chosen = bytes(buffer.tolist()).rstrip(b"\0").decode()
+    if not chosen:
+        return None
+    return info if info is not None else saves.check(root / chosen)
+
+
+def _malformed(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is not a training state's file: {what} is missing or malformed.",
+        hint="The save was changed after it was written; resume from another save.",
+    )
+
+
+def _checked_extras(extras: Mapping[str, Any] | None, label: str) -> dict[str, Any]:
+    found = dict(extras or {})
+    for name, value in found.items():
+        if not isinstance(name, str):
+            raise InvalidArgumentError(
+                f"{label} has the key {name!r}, not a string.", hint="Name each extra by a str."
+            )
+        if not is_stateful(value):
+            check_plain(value, f"{label}[{name!r}]")
+    return found
+
+
+def _extras_state(extras: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in extras.items():
+        if is_stateful(value):
+            out[name] = {"state_dict": value.state_dict()}
+        else:
+            check_plain(value, f"extras[{name!r}]")
+            out[name] = {"value": value}
+    return out
+
+
+def _load_extras(extras: dict[str, Any], saved: object, path: Path) -> None:
+    """Put saved extras back: stateful ones load their state, plain ones are replaced."""
+    if not isinstance(saved, dict):
+        raise _malformed(path, "the extras")
+    for name, value in list(extras.items()):
+        entry = saved.get(name)
+        if not isinstance(entry, dict):
+            raise CheckpointError(
+                f"{path} holds no extra named {name!r}; this run has one.",
+                hint="Resume with the extras the run saved, or start in another folder.",
+            )
+        if is_stateful(value):
+            value.load_state_dict(entry.get("state_dict"))
+        else:
+            extras[name] = entry.get("value")

@@ -1,0 +1,235 @@
+"""Preemption in one process: the handler only notes, the loop saves, Slurm is asked to requeue.
+
+(Two ranks agreeing on one step: ``test_preempt_across_ranks.py``.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+import pytest
+
+from gpukit.errors import InvalidArgumentError
+from gpukit.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from tests.helpers import ROOT
+
+
+def _fake_scontrol(folder: Path, code: int = 0) -> Path:
+    """An ``scontrol`` that writes its arguments to ``folder/scontrol.args``."""
+    folder.mkdir(exist_ok=True)
+    program = folder / "scontrol"
+    program.write_text(f'#!/bin/sh\necho "$@" > {folder}/scontrol.args\nexit {code}\n')
+    program.chmod(0o755)
+    return folder
+
+
+def test_a_signal_is_only_noted_until_the_loop_checks_and_then_the_loop_saves() -> None:
+    saved: list[str] = []
+    with Preemption(env={}) as preemption:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert saved == []  # nothing is saved inside the handler
+        assert preemption.received is signal.SIGUSR1
+        assert preemption.should_stop()
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(lambda: saved.append("saved"))
+    assert saved == ["saved"]
+    assert stopped.value.code == PREEMPTED_EXIT_CODE == 75
+    assert stopped.value.checks == 1
+
+
+def test_no_signal_means_no_stop_check_after_check() -> None:
+    with Preemption(env={}) as preemption:
+        assert not any(preemption.should_stop() for _ in range(100))
+        assert preemption.checks == 100
+
+
+def test_a_signal_that_came_between_checks_is_not_lost() -> None:
+    with Preemption(env={}) as preemption:
+        assert not preemption.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(10_000))  # the step goes on; the signal waits for the next check
+        assert preemption.should_stop()
+        assert preemption.should_stop()  # and stays: a stop is never taken back
+
+
+class _State:
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def save(self) -> None:
+        self.saves += 1
+
+
+def test_stop_saves_an_object_with_a_save_method() -> None:
+    state = _State()
+    with Preemption(env={}) as preemption, pytest.raises(Preempted):
+        preemption.stop(state)
+    assert state.saves == 1
+
+
+def test_stop_waits_for_a_real_training_states_asynchronous_save_to_be_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from torch import nn
+
+    from gpukit.train import state as state_module
+    from gpukit.train.saves import newest
+
+    run = state_module.SaveJob.run
+
+    def slow_write(job: object) -> object:
+        time.sleep(0.5)  # a write still going on when stop() would requeue the job
+        return run(job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state_module.SaveJob, "run", slow_write)
+    state = state_module.TrainingState(tmp_path, model=nn.Linear(2, 2))
+    state.step = 7
+    with state:
+        with Preemption(env={}) as preemption, pytest.raises(Preempted):
+            preemption.stop(state)
+        info, _ = newest(tmp_path)  # before the state's close, which would wait too
+        assert info is not None
+        assert info.step == 7
+
+
+def test_a_requeue_signal_under_slurm_requeues_this_job_through_scontrol(tmp_path: Path) -> None:
+    bin_dir = _fake_scontrol(tmp_path / "bin")
+    env = {"SLURM_JOB_ID": "4242", "PATH": str(bin_dir)}
+    with Preemption(env=env) as preemption:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.should_stop()
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(None)
+    assert (bin_dir / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    assert stopped.value.requeue is not None
+    assert stopped.value.requeue.done
+
+
+def test_sigterm_saves_and_stops_without_requeueing_a_cancelled_job(tmp_path: Path) -> None:
+    bin_dir = _fake_scontrol(tmp_path / "bin")
+    env = {"SLURM_JOB_ID": "4242", "PATH": str(bin_dir)}
+    with Preemption(env=env) as preemption:
+        os.kill(os.getpid(), signal.SIGTERM)  # scancel
+        assert preemption.should_stop()
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(None)
+    assert not (bin_dir / "scontrol.args").exists()
+    assert stopped.value.requeue is None
+
+
+def test_a_requeue_slurm_refuses_is_reported_and_the_exit_code_stays(tmp_path: Path) -> None:
+    env = {"SLURM_JOB_ID": "4242", "PATH": str(_fake_scontrol(tmp_path / "bin", code=1))}
+    with Preemption(env=env) as preemption:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.should_stop()
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(None)
+    assert stopped.value.requeue is not None
+    assert not stopped.value.requeue.done
+    assert "4242" in stopped.value.requeue.reason
+    assert stopped.value.code == PREEMPTED_EXIT_CODE
+
+
+def test_without_scontrol_the_exit_code_is_left_for_the_batch_script(tmp_path: Path) -> None:
+    env = {"SLURM_JOB_ID": "4242", "PATH": str(tmp_path)}
+    with Preemption(env=env) as preemption:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.should_stop()
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(None)
+    assert stopped.value.requeue is not None
+    assert "no scontrol" in stopped.value.requeue.reason
+
+
+def _mine(signum: int, frame: FrameType | None) -> None:
+    pass
+
+
+def _fail_inside(preemption: Preemption) -> None:
+    with preemption:
+        assert signal.getsignal(signal.SIGUSR1) == preemption._note
+        raise RuntimeError("the loop failed")
+
+
+def test_close_gives_back_the_handlers_that_were_there_before() -> None:
+    before = signal.signal(signal.SIGUSR1, _mine)
+    try:
+        preemption = Preemption(env={})
+        with pytest.raises(RuntimeError, match="the loop failed"):
+            _fail_inside(preemption)
+        assert signal.getsignal(signal.SIGUSR1) is _mine
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_installing_outside_the_main_thread_is_a_typed_error() -> None:
+    caught: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            Preemption(env={}).install()
+        except BaseException as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=install, name="loader")
+    thread.start()
+    thread.join()
+    assert len(caught) == 1
+    assert isinstance(caught[0], InvalidArgumentError)
+    assert "main thread" in str(caught[0])
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"signals": ()}, "no signal"),
+        ({"signals": "SIGUSR1"}, "not a collection"),
+        ({"signals": [signal.SIGKILL]}, "no process can handle"),
+        ({"signals": [10_000]}, "no signal of this system"),
+        ({"signals": [signal.SIGTERM], "requeue_on": [signal.SIGUSR1]}, "not among"),
+        ({"requeue": "no"}, "not True or False"),
+    ],
+)
+def test_signals_that_cannot_work_are_refused_when_made(
+    kwargs: dict[str, object], says: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=says):
+        Preemption(**kwargs)  # type: ignore[arg-type]
+
+
+_SCRIPT = """
+import os, pathlib, signal, sys
+from gpukit.train.preempt import Preemption
+out = pathlib.Path(sys.argv[1])
+with Preemption() as preemption:
+    for step in range(100):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if preemption.should_stop():
+            preemption.stop(lambda: out.write_text(str(step)))
+"""
+
+
+def test_a_preempted_script_exits_75_after_saving_without_a_traceback(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(tmp_path / "saved")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == PREEMPTED_EXIT_CODE, done.stderr
+    assert (tmp_path / "saved").read_text() == "5"
+    assert "Traceback" not in done.stderr
