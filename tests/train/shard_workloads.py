@@ -235,3 +235,32 @@ def train_resuming(rank: int, path: str) -> dict[str, list[float]]:
     loader.set_epoch(1)
     one_epoch(net, opt, loader)
     return full_weights(net)
+
+
+def train_with_training_state(_rank: int, folder: str) -> dict[str, list[float]]:
+    """One run trains an epoch sharded and saves a gk.TrainingState; a new run resumes it."""
+    import gpukit as gk
+
+    def run() -> dict[str, list[float]]:
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+        loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+        net, opt, loader = dist.prepare(
+            net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=True
+        )
+        with gk.TrainingState(
+            folder, model=net, optimizer=opt, loader=loader, asynchronous=False
+        ) as state:
+            resumed = state.resume()
+            for x, y in loader:  # one epoch: the first, or the one after the save
+                loss = nn.functional.mse_loss(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                state.step += 1
+            if resumed is None:
+                state.save()
+        return full_weights(net)
+
+    run()  # stops after its first epoch, as a job that ran out of time
+    return run()

@@ -80,6 +80,16 @@ def test_a_sharded_run_resumed_from_its_gathered_state_ends_with_one_process_wei
     assert _furthest(other_rank.result(), single) <= 1e-12
 
 
+def test_a_sharded_run_resumed_through_the_training_state_ends_with_one_process_weights(
+    single: dict[str, list[float]], other_rank: OtherRank, tmp_path: Path
+) -> None:
+    folder = str(tmp_path / "runs")
+    other_rank.run(work.train_with_training_state, folder)
+    mine = work.train_with_training_state(0, folder)
+    assert _furthest(mine, single) <= 1e-12
+    assert _furthest(other_rank.result(), single) <= 1e-12
+
+
 def test_each_process_holds_about_half_of_every_parameter(other_rank: OtherRank) -> None:
     other_rank.run(work.local_sizes)
     mine, theirs = work.local_sizes(), other_rank.result()

@@ -295,20 +295,26 @@ def gather_state(
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=options)}
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-    if dist.get_rank() != 0:
-        return {}
-    return {"model": model_state, "optimizer": optimizer_state}
+        whole: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+        whole = {"model": model_state, "optimizer": optimizer_state}
+    return whole if dist.get_rank() == 0 else {}
 
 
 def scatter_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    *,
+    from_rank0: bool = True,
 ) -> None:
     """Load what :func:`gather_state` returned into a sharded model, resharded over this group.
 
     A collective: rank 0 passes the state, the other ranks ``{}``; rank 0 sends each tensor in
-    turn (``set_state_dict`` with ``broadcast_from_rank0``) and each rank keeps its rows.
+    turn (``set_state_dict`` with ``broadcast_from_rank0``) and each rank keeps its rows. With
+    ``from_rank0=False`` every rank passes the whole state (read from a file each rank can
+    open) and keeps its own rows of it, without sending anything.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -316,7 +322,7 @@ def scatter_state(
         set_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
     # Model and optimizer apart: set_state_dict takes an empty model state (the other ranks')
     # as "optimizer only" and would skip the broadcast rank 0 is waiting in.
     set_model_state_dict(model, state.get("model", {}), options=options)
