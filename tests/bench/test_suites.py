@@ -52,3 +52,15 @@ def test_startup_goals_are_numbers_the_plot_can_mark() -> None:
     assert goals[("gpukit list --json", _TORCH)] == ("< 0.15", 0.15)
     assert goals[("gpukit queue --json", _TORCH)] == ("< 0.2", 0.2)
     assert goals[("gpukit list --json", "gpustat")] == ("<= 1", 1.0)
+
+
+@pytest.mark.slow
+def test_the_shard_suite_finds_each_of_two_processes_holding_half_the_tensors_of_ddp() -> None:
+    from gpukit.bench import shard
+
+    results = {r.name: r for r in shard.run(quick=True)}
+    tensors = "parameters + gradients + optimizer state per process"
+    assert results[f"sharded, 1 process: {tensors}"].ratio == 1.0
+    # 4 blocks of 256 x 256 + 256 float32 split 128 + 128 rows: half, but for AdamW's step
+    # counters (one 8-byte scalar per parameter, held whole by every process).
+    assert results[f"sharded, 2 processes: {tensors}"].ratio == pytest.approx(0.5, abs=1e-5)

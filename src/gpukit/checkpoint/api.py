@@ -45,6 +45,7 @@ from gpukit.checkpoint.plan import plan_load, tied_groups
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, write_shards
+from gpukit.checkpoint.sharded_model import is_sharded_model, load_sharded, save_sharded
 from gpukit.devices import DeviceLike, device, module_device
 from gpukit.errors import (
     CheckpointError,
@@ -248,7 +249,18 @@ def save(
 
     >>> save({"model": model, "optimizer": opt, "epoch": 3}, "run/last.pt")  # doctest: +SKIP
     >>> save(model, "run/weights", max_shard_size="2GB")  # doctest: +SKIP
+
+    A model sharded over processes (FSDP2) is saved by every process at once, as
+    :mod:`gpukit.checkpoint.sharded_model` describes (a folder is a DCP checkpoint there).
     """
+    if is_sharded_model(obj):  # every rank writes its own part: checkpoint/sharded_model.py
+        return save_sharded(
+            obj,
+            Path(path),
+            metadata=_user_metadata(metadata),
+            max_shard_size=max_shard_size,
+            save_file=save,
+        )
     planned = check_save_target(Path(path), max_shard_size)
     target, fmt, sharded = planned.path, planned.format, planned.format == SHARDED
     prepared = _prepare(obj)
@@ -343,6 +355,8 @@ def load(
         )
     check_bool("strict", strict)
     check_bool("trust", trust)
+    if is_sharded_model(model):  # every rank reads its own part: checkpoint/sharded_model.py
+        return load_sharded(model, Path(path), strict=strict, trust=trust)
     inner, _ = unwrap(model)
     target = _target(inner, map_location)
     raw = open_checkpoint(Path(path), target=target, trust=trust)

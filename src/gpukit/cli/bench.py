@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "transfer": "gpukit.bench.transfer",
     "data_parallel": "gpukit.bench.data_parallel",
     "ddp": "gpukit.bench.ddp",
+    "shard": "gpukit.bench.shard",
     "train": "gpukit.bench.train",
     "preempt": "gpukit.bench.preempt",
     "checkpoint": "gpukit.bench.checkpoint",

@@ -19,6 +19,7 @@ from gpukit.distributed.data import (
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.precision import autocast_forward, resolve_precision
+from gpukit.train.shard import ShardPolicy, is_sharded, shard_model
 from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 
@@ -29,7 +30,7 @@ __all__ = ["prepare"]
 
 
 def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any]) -> Any:
-    if isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel) or is_sharded(model):
         return model
     model = to_device(model, ctx.device)  # the fp32 master weights, whatever the precision
     if ctx.world_size == 1:
@@ -84,6 +85,7 @@ def prepare(
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, Opt]: ...
 @overload
 def prepare(
@@ -97,6 +99,7 @@ def prepare(
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
 @overload
 def prepare(
@@ -110,6 +113,7 @@ def prepare(
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 @overload
 def prepare(
@@ -123,6 +127,7 @@ def prepare(
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
+    shard: ShardPolicy = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 def prepare(
     model: nn.Module,
@@ -135,6 +140,7 @@ def prepare(
     precision: str = "fp32",
     seed: int = 0,
     ddp_kwargs: Mapping[str, Any] | None = None,
+    shard: ShardPolicy = False,
 ) -> Any:
     """Move the model (and DDP-wrap it when there are several processes), shard the loader.
 
@@ -161,7 +167,16 @@ def prepare(
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=256,
     ...                              accumulate=4, precision="auto")  # doctest: +SKIP
 
+    ``shard=True`` (or module classes, or a function of a module: see
+    :mod:`gpukit.train.shard`) shards the model with FSDP2 instead of copying it with DDP: each
+    process holds 1/N of the parameters, gradients and optimizer state, and the gradients are
+    weighed the same way, so the promise above holds (accumulation included: FSDP skips its
+    reduce-scatter on all but the last micro-batch). The optimizer is moved onto the sharded
+    parameters. A mixed precision computes in its dtype there too (FSDP's
+    ``MixedPrecisionPolicy``), gradients reduced in float32.
+
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
+    >>> model, opt = prepare(model, opt, shard=True)  # doctest: +SKIP
 
     Raises:
         InvalidArgumentError: an object of the wrong type, batch sizes that do not fit together,
@@ -196,6 +211,16 @@ def prepare(
             "equal average over processes cannot weigh micro-batches exactly.",
             hint="Pass the bare model and let prepare() wrap it.",
         )
+    if shard is not False:  # FSDP2 in place of DDP (train/shard.py)
+        weight = SampleWeights(ctx.world_size).weight
+        model = shard_model(
+            model,
+            shard,
+            device=ctx.device,
+            weight=weight,
+            optimizer=optimizer,
+            param_dtype=resolved.dtype,
+        )
     prepared = _prepare_model(model, ctx, ddp_kwargs or {})
     inner = prepared.module if isinstance(prepared, DistributedDataParallel) else prepared
     autocast_forward(inner, resolved)
@@ -210,7 +235,8 @@ def prepare(
                 optimizer,
                 precision=resolved,
                 accumulate=steps,
-                hooked=isinstance(prepared, DistributedDataParallel) and not yours,
+                hooked=(isinstance(prepared, DistributedDataParallel) and not yours)
+                or is_sharded(prepared),
                 distributed=ctx.world_size > 1,
             )
         out.append(

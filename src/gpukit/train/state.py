@@ -46,6 +46,7 @@ from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
 from gpukit.train._staging import Stager, check_plain, is_stateful
 from gpukit.train._writing import SaveJob
+from gpukit.train.shard import gather_state, is_sharded, scatter_state
 
 __all__ = ["Resumed", "TrainingState"]
 
@@ -152,8 +153,11 @@ class TrainingState:
         """What every rank holds alike: written once, by rank 0."""
         inner, _ = unwrap(self.model)
         state: dict[str, Any] = {"step": self.step, "model": inner.state_dict()}
+        if is_sharded(inner):  # FSDP2: the whole weights and moments, gathered on rank 0
+            state.update(gather_state(inner, self.parts.get("optimizer")))
         for name, part in self.parts.items():
-            state[name] = part.state_dict()
+            if name not in state:
+                state[name] = part.state_dict()
         state["extras"] = _extras_state(self.extras)
         return state
 
@@ -194,7 +198,9 @@ class TrainingState:
         self._count += 1
         target = self.folder / name
         block = not self.asynchronous if blocking is None else blocking
-        shared = self._shared() if rank == 0 else None
+        # A sharded model is gathered by every rank (a collective); rank 0 alone keeps it.
+        shared = self._shared() if rank == 0 or is_sharded(self.model) else None
+        shared = shared if rank == 0 else None
         own = self._own()
         if not block:
             # The loop may change the originals as soon as this returns.
@@ -293,14 +299,26 @@ class TrainingState:
         if type(step) is not int or step < 0:
             raise _malformed(path / saves.SHARED, "the step")
         inner, _ = unwrap(self.model)
+        sharded = is_sharded(inner)
         try:
-            inner.load_state_dict(shared["model"])
-        except (KeyError, RuntimeError, TypeError) as exc:
+            if sharded:  # every rank read the whole state: each keeps its own rows
+                optimizer = self.parts.get("optimizer")
+                whole = {"model": shared["model"]}
+                if optimizer is not None and "optimizer" in shared:
+                    whole["optimizer"] = shared["optimizer"]
+                scatter_state(
+                    inner, optimizer if "optimizer" in whole else None, whole, from_rank0=False
+                )
+            else:
+                inner.load_state_dict(shared["model"])
+        except (KeyError, RuntimeError, TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"{path} holds another model's weights: {str(exc).splitlines()[0]}",
                 hint="Resume with the model the run saved, or start in another folder.",
             ) from None
         for name, part in self.parts.items():
+            if sharded and name == "optimizer" and name in shared:
+                continue  # loaded with the sharded model above
             if name not in shared:
                 raise CheckpointError(
                     f"{path} holds no {name} state, and this run has a {name}.",

@@ -94,6 +94,10 @@ class TrainStep:
             # What DDP's no_sync() sets: the forward that follows prepares the all-reduce only
             # when this micro-batch closes the step.
             self.model.require_backward_grad_sync = self.accumulation.last
+        elif callable(sync := getattr(self.model, "set_requires_gradient_sync", None)):
+            # A sharded model (FSDP2): its no_sync. Gradients stay whole and local until the
+            # micro-batch that closes the step, which reduce-scatters them once.
+            sync(self.accumulation.last)
 
     def __call__(
         self,

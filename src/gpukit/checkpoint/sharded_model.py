@@ -1,0 +1,465 @@
+"""Checkpoints of a model sharded over processes (FSDP2: its parameters are DTensors).
+
+:func:`~gpukit.save` and :func:`~gpukit.load` hand a sharded model to this module, which every
+process of the group calls at the same time:
+
+- ``save(model, "ckpt")`` writes a torch.distributed.checkpoint (DCP) folder in which each rank
+  writes only its own shards (``torch.distributed.checkpoint.save``); a dict of a sharded model,
+  its optimizers and plain values is saved the same way (``get_state_dict``).
+- ``save(model, "weights", max_shard_size=...)`` exports the full weights in Hugging Face's
+  sharded safetensors layout: the tensors are gathered one at a time (``full_tensor()``) and
+  streamed into the shard files by rank 0, so no rank holds more than one full tensor.
+- ``save(model, "model.safetensors")`` (or ``.pt``) gathers the full weights on rank 0's CPU
+  (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``) and writes one file.
+- ``load(model, dcp_folder)`` reads each rank's own part through DCP's planner, whatever number
+  of processes saved it (resharding); ``load(model, file_or_hf_folder)`` reads the full weights
+  on rank 0 (CPU) and scatters them one tensor at a time (``set_model_state_dict`` with
+  ``broadcast_from_rank0``).
+
+Errors on rank 0 (a bad path, a mismatched checkpoint) reach every rank as the same error, so
+no rank waits for a collective that the others left.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gpukit import __version__
+from gpukit.checkpoint.atomic import atomic_folder, write_durable
+from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder
+from gpukit.checkpoint.keys import clean_keys, find_weights, unwrap
+from gpukit.checkpoint.layout import FolderCheckpoint, open_checkpoint
+from gpukit.checkpoint.paths import check_output_folder, make_parents, parents_to_make
+from gpukit.checkpoint.plan import plan_load
+from gpukit.checkpoint.report import LoadReport, mismatch_error
+from gpukit.checkpoint.safetensors_format import DTYPES
+from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, plan_shards, shard_names
+from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
+from gpukit.sizes import parse_shard_size
+
+__all__ = ["is_sharded_model", "load_sharded", "save_sharded"]
+
+T = TypeVar("T")
+_DCP_DATA = re.compile(r"^__\d+_\d+\.distcp$")
+_HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def _dtensor_type() -> type | None:
+    # No DTensor can exist before torch.distributed.tensor is imported: a plain save does not
+    # pay for importing it.
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _modules(obj: object) -> list[nn.Module]:
+    if isinstance(obj, nn.Module):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [v for v in obj.values() if isinstance(v, nn.Module)]
+    return []
+
+
+def is_sharded_model(obj: object) -> bool:
+    """A module whose parameters are DTensors (FSDP2), or a dict that holds one."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return False
+    return any(isinstance(p, dtensor) for m in _modules(obj) for p in m.parameters())
+
+
+def _agree(fn: Callable[[], T]) -> T | None:
+    """Run ``fn`` on rank 0 and give every rank its error (raised) or its result."""
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except GpukitError as exc:
+            box[0] = ("error", exc)
+    dist.broadcast_object_list(box, src=0)
+    outcome: tuple[str, Any] = box[0]  # type: ignore[assignment]
+    if outcome[0] == "error":
+        raise outcome[1]
+    result: T = outcome[1]
+    return result
+
+
+def _replaceable(name: str) -> bool:
+    return name in (METADATA_NAME, SAFETENSORS_INDEX) or bool(
+        _DCP_DATA.match(name) or _HF_SHARD.match(name)
+    )
+
+
+def _check_folder(path: Path) -> None:
+    if parents_to_make(path):
+        make_parents(path)
+    else:
+        check_output_folder(path, _replaceable)
+
+
+def _info(fmt: str, metadata: Mapping[str, Any], devices: set[str]) -> dict[str, Any]:
+    return {
+        "gpukit_version": __version__,
+        "torch_version": str(torch.__version__),
+        "format": fmt,
+        "wrappers_removed": [],
+        "prefixes_removed": [],
+        "devices": sorted(devices),
+        "metadata": dict(metadata),
+        "world_size": dist.get_world_size(),
+    }
+
+
+def _model_state(model: nn.Module) -> OrderedDict[str, Any]:
+    inner, _ = unwrap(model)
+    return clean_keys(inner.state_dict())[0]
+
+
+def _in_folder(path: Path, fill: Callable[[Path | None], None]) -> None:
+    """Build the folder ``path`` with every rank's ``fill(tmp)``, put in place by rank 0.
+
+    Rank 0 makes the temporary folder and tells the others its name; a failure on rank 0
+    before that tells them ``None`` (``fill(None)`` must then only join the collectives).
+    """
+    sent = False
+
+    def fill_here(tmp: Path) -> None:
+        nonlocal sent
+        dist.broadcast_object_list([str(tmp)], src=0)
+        sent = True
+        fill(tmp)
+
+    def build() -> None:
+        try:
+            _check_folder(path)
+            atomic_folder(path, fill_here)
+        finally:
+            if not sent:  # refused before the folder existed: join the others' collectives
+                dist.broadcast_object_list([None], src=0)
+                fill(None)
+
+    if dist.get_rank() == 0:
+        failure: GpukitError | None = None
+        try:
+            build()
+        except GpukitError as exc:
+            failure = exc
+        except OSError as exc:
+            failure = CheckpointError(
+                f"Cannot save {path}: {exc.strerror or exc}.", hint="Check the path and space."
+            )
+        box: list[object] = [failure]
+    else:
+        named: list[object] = [None]
+        dist.broadcast_object_list(named, src=0)
+        fill(Path(str(named[0])) if named[0] is not None else None)
+        box = [None]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+
+
+def _dcp_state(obj: object) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    if isinstance(obj, nn.Module):
+        return dict(get_model_state_dict(obj))
+    assert isinstance(obj, Mapping)
+    models = _modules(obj)
+    if len(models) != 1:
+        raise InvalidArgumentError(
+            f"gk.save got a dict with {len(models)} models; a sharded checkpoint holds one.",
+            hint="Save each model to its own folder.",
+        )
+    state: dict[str, Any] = {}
+    for key, value in obj.items():
+        if isinstance(value, nn.Module):
+            state[str(key)] = dict(get_model_state_dict(value))
+        elif isinstance(value, torch.optim.Optimizer):
+            state[str(key)] = get_optimizer_state_dict(models[0], value)
+        elif not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)):
+            state[str(key)] = value.state_dict()
+        else:
+            state[str(key)] = value
+    return state
+
+
+def _save_dcp(obj: object, path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    state = _dcp_state(obj)
+
+    def fill(tmp: Path | None) -> None:
+        if tmp is not None:
+            dcp_save(state, checkpoint_id=tmp)
+
+    _in_folder(path, fill)
+
+
+def _header(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str]
+) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header for ``tensors`` (shapes and dtypes only) and each one's size."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    sizes: dict[str, int] = {}
+    offset = 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {
+            "dtype": DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        sizes[key] = size
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, sizes
+
+
+def _full(tensor: Any) -> torch.Tensor:
+    """The whole tensor on the CPU: gathered from every rank (a collective) when sharded."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        tensor = tensor.full_tensor()  # type: ignore[attr-defined]
+    return tensor.detach().to("cpu").contiguous()  # type: ignore[no-any-return]
+
+
+def _export(model: nn.Module, path: Path, limit: int, metadata: Mapping[str, Any]) -> None:
+    state = _model_state(model)
+    refused = [k for k, t in state.items() if getattr(t, "dtype", None) not in DTYPES]
+    if refused:  # every rank sees the same state: each refuses on its own, before any gather
+        raise CheckpointError(
+            f"Cannot export {refused[0]!r} to safetensors: it is not a tensor of a dtype the "
+            "format stores.",
+            hint="Save a DCP folder instead (no max_shard_size), or convert that tensor.",
+        )
+    groups = plan_shards(state, limit)
+    names = shard_names(len(groups))
+    devices = {str(t.device) for t in state.values()}
+    header = {"format": "pt", "gpukit": json.dumps(_info("sharded safetensors", metadata, devices))}
+    gathered = 0
+
+    def stream(handle: BinaryIO, keys: list[str]) -> None:
+        nonlocal gathered
+        head, sizes = _header({k: state[k] for k in keys}, header)
+        handle.write(head)
+        for key in keys:
+            tensor = _full(state[key])
+            gathered += 1
+            if sizes[key]:
+                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+    def fill(tmp: Path | None) -> None:
+        if tmp is None or dist.get_rank() != 0:
+            for key in state:
+                _full(state[key])  # join rank 0's gathers, in the same order
+            return
+        try:
+            for name, keys in zip(names, groups, strict=True):
+                write_durable(tmp / name, partial(stream, keys=keys))
+            index = {
+                "metadata": {
+                    "total_size": sum(t.numel() * t.element_size() for t in state.values())
+                },
+                "weight_map": {
+                    k: n for n, keys in zip(names, groups, strict=True) for k in sorted(keys)
+                },
+            }
+            encoded = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            write_durable(tmp / SAFETENSORS_INDEX, lambda handle: handle.write(encoded))
+        except BaseException:
+            for key in list(state)[gathered:]:
+                _full(state[key])  # the other ranks still wait in these gathers
+            raise
+
+    _in_folder(path, fill)
+
+
+def _save_file(
+    model: nn.Module, path: Path, metadata: Mapping[str, Any], save: Callable[..., Path]
+) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)  # on rank 0 only
+    _agree(lambda: save(full, path, metadata=metadata))
+
+
+def save_sharded(
+    obj: object,
+    path: Path,
+    *,
+    metadata: Mapping[str, Any],
+    max_shard_size: int | str | None,
+    save_file: Callable[..., Path],
+) -> Path:
+    """Save a sharded model (or a dict holding one) from every rank; see the module's summary.
+
+    ``save_file(state_dict, path, metadata=...)`` is gk.save itself, which rank 0 calls to
+    write the gathered weights as one file.
+
+    Raises:
+        InvalidArgumentError: a dict asked of a one-file or safetensors layout, two models, or
+            metadata for a DCP folder (raised on every rank, before any collective).
+        CheckpointError: the target cannot be written (raised on every rank).
+    """
+    names_a_file = path.suffix in _FILE_SUFFIXES
+    model_only = isinstance(obj, nn.Module)
+    if names_a_file or max_shard_size is not None:
+        if not model_only:
+            raise InvalidArgumentError(
+                f"gk.save got a dict holding a sharded model, and {path.name} asks for full "
+                "weights; only the model's weights are exported that way.",
+                hint="Save the dict to a folder (a DCP checkpoint, without max_shard_size), or "
+                "pass the model alone to export its weights.",
+            )
+        assert isinstance(obj, nn.Module)
+        if names_a_file and max_shard_size is not None:
+            raise InvalidArgumentError(
+                f"{path.name} names one file, and max_shard_size asks for a folder of shards.",
+                hint="Drop max_shard_size, or name the folder without a suffix.",
+            )
+        if names_a_file:
+            _save_file(obj, path, metadata, save_file)
+        else:
+            _export(obj, path, parse_shard_size(max_shard_size), metadata)
+        return path
+    if metadata:
+        raise InvalidArgumentError(
+            f"gk.save got metadata for {path.name}, a DCP folder, which has no place to keep it.",
+            hint='Save it as an entry instead: gk.save({"model": model, "info": {...}}, path).',
+        )
+    _save_dcp(obj, path)
+    return path
+
+
+def _planning_view(model_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's keys with shape-only tensors of their full shapes, for matching keys."""
+    return {
+        key: torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")
+        for key, value in model_state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _plan(
+    model: nn.Module, path: Path, *, strict: bool, trust: bool
+) -> tuple[Any, Any, LoadReport]:
+    raw = open_checkpoint(path, target=torch.device("cpu"), trust=trust)
+    try:
+        found = find_weights(raw.content)
+    except LookupError as exc:
+        raise CheckpointError(
+            f"{raw.path} holds no model weights: {exc}.",
+            hint="Pass the file that holds the model's state_dict.",
+        ) from None
+    plan = plan_load(found.state, _planning_view(model.state_dict()), raw.metadata.get("tied"))
+    report = LoadReport(
+        path=raw.path,
+        format=raw.format,
+        loaded=list(plan.renamed),
+        missing=plan.missing,
+        unexpected=plan.unexpected,
+        mismatched=plan.mismatched,
+        prefixes_removed=plan.prefixes,
+        source_devices=raw.source_devices,
+        device=str(_local_device(model)),
+        container_key=found.container,
+        metadata=raw.metadata,
+        tied=plan.tied,
+        weights_at_top_level=found.top_level,
+    )
+    if strict and not report.ok:
+        raise mismatch_error(report, _class_name(model))
+    return raw, plan, report
+
+
+def _class_name(model: nn.Module) -> str:
+    """The model's own class name, not the FSDP<Name> class fully_shard swaps in."""
+    cls = type(model)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        return bases[1].__name__
+    return cls.__name__
+
+
+def _local_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    if param is None:
+        return torch.device("cpu")
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.device
+
+
+def _load_dcp(model: nn.Module, path: Path, *, strict: bool, trust: bool) -> LoadReport:
+    # Every rank plans alone (the same files give the same plan) and reads only the chunks its
+    # shards need, through DCP's planner: any number of processes may have saved the folder.
+    inner, _ = unwrap(model)
+    raw, plan, report = _plan(inner, path, strict=strict, trust=trust)
+    assert isinstance(raw, FolderCheckpoint)
+    model_state = inner.state_dict()
+    targets: dict[str, list[torch.Tensor]] = {}
+    for name, shape_only in plan.renamed.items():
+        targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
+    raw.read_into(targets, trust=trust)
+    return report
+
+
+def _load_full(model: nn.Module, path: Path, *, strict: bool, trust: bool) -> LoadReport:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    inner, _ = unwrap(model)
+    full: dict[str, Any] = {}
+
+    def read() -> LoadReport:
+        raw, plan, report = _plan(inner, path, strict=strict, trust=trust)
+        if isinstance(raw, FolderCheckpoint):
+            targets: dict[str, list[torch.Tensor]] = {}
+            for name, shape_only in plan.renamed.items():
+                tensor = torch.empty(tuple(shape_only.shape), dtype=shape_only.dtype)
+                full[name] = tensor
+                targets.setdefault(raw.key_of(shape_only), []).append(tensor)
+            raw.read_into(targets, trust=trust)
+        else:
+            full.update(plan.renamed)
+        return report
+
+    report = _agree(read)
+    assert report is not None
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(inner, full, options=options)
+    return report
+
+
+def load_sharded(model: nn.Module, path: Path, *, strict: bool, trust: bool) -> LoadReport:
+    """Load a checkpoint into a sharded model, on every rank at once; see the module's summary.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read or does not fit the model (with
+            ``strict``), raised on every rank.
+    """
+    dcp = (path.is_dir() and is_dcp_folder(path)) or (
+        path.name == METADATA_NAME and is_dcp_folder(path.parent)
+    )
+    if dcp:
+        return _load_dcp(model, path, strict=strict, trust=trust)
+    return _load_full(model, path, strict=strict, trust=trust)

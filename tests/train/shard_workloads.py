@@ -1,0 +1,266 @@
+"""Training jobs the sharding tests run in 1, 2 or 4 processes (module level: ranks import them).
+
+The model has a stack of repeated blocks whose sizes no world size divides (7 rows: FSDP pads
+the last rank's shard), a dataset of 97 samples in global batches of 8 (the last batch holds one
+sample, so some ranks get none), and AdamW, whose moments amplify any difference in a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gpukit import distributed as dist
+
+SAMPLES = 97
+GLOBAL_BATCH = 8
+EPOCHS = 2
+
+
+class Block(nn.Module):
+    """One repeated layer of the stack, as a transformer repeats its blocks."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class Stack(nn.Module):
+    """An input layer, three blocks, an output layer."""
+
+    def __init__(self, width: int = 7) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(3))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def data(samples: int = SAMPLES) -> TensorDataset:
+    """Inputs and a noisy linear target, in float64."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(samples, 4, generator=gen, dtype=torch.float64)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64)
+    return TensorDataset(x, y + 0.1 * torch.randn(samples, 1, generator=gen, dtype=torch.float64))
+
+
+def model() -> Stack:
+    """The same float64 model in every process."""
+    torch.manual_seed(0)
+    return Stack().double()
+
+
+def full_weights(net: nn.Module) -> dict[str, list[float]]:
+    """Every parameter, whole (gathered where sharded), flattened: the same keys in any run."""
+    out: dict[str, list[float]] = {}
+    for name, param in net.named_parameters():
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.flatten().tolist()
+    return out
+
+
+def train(_rank: int = 0, shard: Any = True) -> dict[str, list[float]]:
+    """Train with AdamW on GLOBAL_BATCH samples a step, whatever the world size; final weights."""
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    net, opt, loader = dist.prepare(
+        net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=shard
+    )
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return full_weights(net)
+
+
+def local_sizes(_rank: int = 0) -> dict[str, int]:
+    """How many elements of each parameter this rank holds after prepare(..., shard=True)."""
+    net = dist.prepare(model(), shard=True)
+    return {name: p.to_local().numel() for name, p in net.named_parameters()}
+
+
+def refusal_of_a_resumed_optimizer(_rank: int = 0) -> str:
+    """The message prepare() gives for an optimizer that already holds moments."""
+    net = model()
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.zeros(1, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    try:
+        dist.prepare(net, opt, shard=True)
+    except Exception as exc:  # the test checks the type by name: it crosses a process boundary
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bumped(net: nn.Module, by: float = 1.0) -> nn.Module:
+    """Move every parameter by ``by``: weights no fresh model has, to tell a load happened."""
+    with torch.no_grad():
+        for param in net.parameters():
+            param.add_(by)
+    return net
+
+
+def save_sharded(_rank: int, path: str, max_shard_size: Any = None) -> str:
+    """Shard the bumped model over the group and gk.save it to ``path``."""
+    import gpukit as gk
+
+    net = bumped(dist.prepare(model(), shard=True))
+    return str(gk.save(net, path, max_shard_size=max_shard_size))
+
+
+def load_sharded(_rank: int, path: str) -> dict[str, list[float]]:
+    """gk.load ``path`` into a fresh model sharded over the group; its full weights."""
+    import gpukit as gk
+
+    net = dist.prepare(model(), shard=True)
+    gk.load(net, path)
+    return full_weights(net)
+
+
+def save_training_state(_rank: int, path: str) -> str:
+    """gk.save a dict of the sharded model, its AdamW after one step, and a step count."""
+    import gpukit as gk
+
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    net, opt = dist.prepare(net, opt, shard=True)
+    x, y = data()[:8]
+    nn.functional.mse_loss(net(x), y).backward()
+    opt.step()
+    return str(gk.save({"model": net, "optimizer": opt, "step": 1}, path))
+
+
+def load_error(_rank: int, path: str, width: int = 5) -> str:
+    """The error gk.load gives loading ``path`` into a sharded model of another width."""
+    import gpukit as gk
+
+    torch.manual_seed(0)
+    net = dist.prepare(Stack(width).double(), shard=True)
+    try:
+        gk.load(net, path)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def save_error(_rank: int, path: str, max_shard_size: Any = None) -> str:
+    """The error gk.save gives for a sharded model saved where it may not write."""
+    import gpukit as gk
+
+    net = dist.prepare(model(), shard=True)
+    try:
+        gk.save(net, path, max_shard_size=max_shard_size)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def four_processes(_: Any, folder: str) -> dict[str, Any]:
+    """In each of four processes: train sharded, and load a DCP folder two processes saved."""
+    return {"weights": train(), "loaded": load_sharded(0, folder)}
+
+
+def cuda_bytes_after_prepare(_: Any = None) -> dict[str, Any]:
+    """On a GPU process: the CUDA bytes the sharded model holds, and where its rows live."""
+    big = nn.Sequential(*(Block(1024) for _ in range(4)))  # 16 MiB of float32 parameters
+    net = dist.prepare(big, shard=True)
+    torch.cuda.synchronize()
+    local = next(iter(net.parameters())).to_local()
+    return {"allocated": torch.cuda.memory_allocated(), "device": str(local.device)}
+
+
+def train_accumulating(
+    _rank: int = 0, shard: Any = True, accumulate: int = 2
+) -> dict[str, list[float]]:
+    """Train with AdamW in micro-batches, ending each with dist.step(loss); final weights."""
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    net, opt, loader = dist.prepare(
+        net,
+        opt,
+        loader,
+        global_batch_size=GLOBAL_BATCH,
+        accumulate=accumulate,
+        seed=7,
+        shard=shard,
+    )
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            dist.step(nn.functional.mse_loss(net(x), y))
+    return full_weights(net)
+
+
+def train_resuming(rank: int, path: str) -> dict[str, list[float]]:
+    """Train one epoch sharded, gather the state to a file, resume it into new shards, train on."""
+    from gpukit.train.shard import gather_state, scatter_state
+
+    def prepared() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+        loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+        return dist.prepare(net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=True)
+
+    def one_epoch(net: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> None:
+        for x, y in loader:
+            loss = nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    net, opt, loader = prepared()
+    one_epoch(net, opt, loader)
+    state = gather_state(net, opt)
+    if rank == 0:
+        torch.save(state, path)
+    del net, opt, state
+    net, opt, loader = prepared()  # fresh weights and moments: everything comes from the file
+    scatter_state(net, opt, torch.load(path, weights_only=True) if rank == 0 else {})
+    loader.set_epoch(1)
+    one_epoch(net, opt, loader)
+    return full_weights(net)
+
+
+def train_with_training_state(_rank: int, folder: str) -> dict[str, list[float]]:
+    """One run trains an epoch sharded and saves a gk.TrainingState; a new run resumes it."""
+    import gpukit as gk
+
+    def run() -> dict[str, list[float]]:
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+        loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+        net, opt, loader = dist.prepare(
+            net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=True
+        )
+        with gk.TrainingState(
+            folder, model=net, optimizer=opt, loader=loader, asynchronous=False
+        ) as state:
+            resumed = state.resume()
+            for x, y in loader:  # one epoch: the first, or the one after the save
+                loss = nn.functional.mse_loss(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                state.step += 1
+            if resumed is None:
+                state.save()
+        return full_weights(net)
+
+    run()  # stops after its first epoch, as a job that ran out of time
+    return run()

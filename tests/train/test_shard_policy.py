@@ -1,0 +1,88 @@
+"""Which modules prepare(..., shard=...) makes FSDP units, decided without a process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gpukit.errors import InvalidArgumentError
+from gpukit.train.shard import blocks_to_shard, repeated_blocks, shard_model
+from tests.train.shard_workloads import Block, Stack
+
+
+class Attention(nn.Module):
+    """A block whose own projections are siblings of one class: they are not blocks of the stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList(Attention() for _ in range(3))
+        self.norm = nn.LayerNorm(4)
+
+
+def _names(model: nn.Module, chosen: list[nn.Module]) -> list[str]:
+    by_id = {id(m): name for name, m in model.named_modules()}
+    return [by_id[id(m)] for m in chosen]
+
+
+def test_the_default_policy_shards_each_layer_of_a_stack_not_the_projections_inside_it() -> None:
+    model = Transformer()
+    assert _names(model, repeated_blocks(model)) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_the_default_policy_skips_repeated_modules_without_parameters() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Tanh(), nn.Linear(3, 1))
+    assert _names(model, repeated_blocks(model)) == ["0", "3"]
+
+
+def test_a_class_policy_names_every_module_of_that_class_innermost_first() -> None:
+    model = Stack()
+    assert _names(model, blocks_to_shard(model, [Block])) == ["blocks.2", "blocks.1", "blocks.0"]
+
+
+def test_a_policy_may_nest_a_block_inside_a_block_inner_one_first() -> None:
+    model = Stack()
+    chosen = _names(model, blocks_to_shard(model, (Block, nn.Linear)))
+    assert chosen.index("blocks.0.linear") < chosen.index("blocks.0")
+
+
+def test_a_function_policy_is_asked_about_each_submodule_but_never_the_root() -> None:
+    model = Stack()
+    asked: list[str] = []
+
+    def policy(module: nn.Module) -> bool:
+        asked.append(type(module).__name__)
+        return isinstance(module, Block)
+
+    assert _names(model, blocks_to_shard(model, policy)) == ["blocks.2", "blocks.1", "blocks.0"]
+    assert "Stack" not in asked
+
+
+@pytest.mark.parametrize("policy", ["yes", 3, [], [Block, "Linear"], nn.Linear(1, 1)])
+def test_a_policy_that_is_neither_classes_nor_a_function_is_refused_with_the_choices(
+    policy: object,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="is not a sharding policy") as caught:
+        blocks_to_shard(Stack(), policy)  # type: ignore[arg-type]
+    assert "shard=True" in caught.value.hint
+
+
+def test_one_process_keeps_its_model_and_optimizer_as_they_are() -> None:
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters())
+    before = [id(p) for p in model.parameters()]
+    got = shard_model(model, True, device=torch.device("cpu"), weight=lambda: 1.0, optimizer=opt)
+    assert got is model
+    assert [id(p) for p in opt.param_groups[0]["params"]] == before
+
+
+def test_one_process_still_refuses_a_bad_policy() -> None:
+    with pytest.raises(InvalidArgumentError):
+        shard_model(Stack(), "blocks", device=torch.device("cpu"), weight=lambda: 1.0)  # type: ignore[arg-type]
