@@ -9,7 +9,7 @@ True
 
 ``api`` holds save / load; ``plan`` matches a checkpoint onto a model; ``layout`` recognises
 what a path holds (a file, a sharded folder, a DCP folder, an accelerate ``save_state`` folder);
-``io`` reads single files (format by content); ``sharded`` and ``dcp`` read and write folders,
+``single_file`` reads single files (format by content); ``sharded`` and ``dcp`` read and write folders,
 ``accelerate_state`` reads accelerate's; ``atomic`` writes files and folders
 atomically; ``paths`` checks paths before any work; ``keys`` finds the state dict in a checkpoint
 and cleans its keys; ``report`` says what loaded; ``safetensors_format`` writes safetensors files.

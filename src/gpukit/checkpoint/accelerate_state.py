@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from gpukit.checkpoint.io import RawCheckpoint
-from gpukit.checkpoint.io import read as read_file
+from gpukit.checkpoint.single_file import RawCheckpoint
+from gpukit.checkpoint.single_file import read as read_file
 from gpukit.errors import UntrustedCheckpointError
 
 __all__ = ["WEIGHTS_ENTRY", "AccelerateState", "is_accelerate_state", "open_accelerate_state"]

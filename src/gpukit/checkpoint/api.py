@@ -25,7 +25,7 @@ from torch import nn
 
 from gpukit import __version__, _tree
 from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
-from gpukit.checkpoint.io import SAFETENSORS, suffix_format
+from gpukit.checkpoint.single_file import SAFETENSORS, suffix_format
 from gpukit.checkpoint.keys import (
     FoundWeights,
     clean_keys,

@@ -171,7 +171,7 @@ class DcpFolder:
             try:
                 objects[index.fqn] = torch.load(io.BytesIO(data), weights_only=not trust)
             except pickle.UnpicklingError as exc:
-                from gpukit.checkpoint.io import untrusted_error
+                from gpukit.checkpoint.single_file import untrusted_error
 
                 if not trust and "Weights only load failed" in str(exc):
                     raise untrusted_error(path, exc) from None

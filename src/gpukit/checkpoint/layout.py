@@ -28,8 +28,8 @@ from gpukit.checkpoint.accelerate_state import (
 )
 from gpukit.checkpoint.dcp import METADATA_NAME, DcpFolder, is_dcp_folder, open_dcp
 from gpukit.checkpoint.dcp_metadata import set_path
-from gpukit.checkpoint.io import SAFETENSORS, TORCH, RawCheckpoint, file_format, gpukit_metadata
-from gpukit.checkpoint.io import read as read_file
+from gpukit.checkpoint.single_file import SAFETENSORS, TORCH, RawCheckpoint, file_format, gpukit_metadata
+from gpukit.checkpoint.single_file import read as read_file
 from gpukit.checkpoint.keys import FoundWeights
 from gpukit.checkpoint.paths import check_input, open_content
 from gpukit.checkpoint.sharded import INDEX_LIMIT, INDEX_NAMES, ShardedFolder, open_index

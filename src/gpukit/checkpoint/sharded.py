@@ -294,7 +294,7 @@ def _header_entry(info: object) -> tuple[tuple[list[int], torch.dtype], int]:
 
 
 def _load_torch_shard(path: Path, trust: bool) -> dict[str, Any]:
-    from gpukit.checkpoint.io import TORCH, unreadable_error, untrusted_error
+    from gpukit.checkpoint.single_file import TORCH, unreadable_error, untrusted_error
 
     fd = open_content(path, folder=path.parent)
     try:

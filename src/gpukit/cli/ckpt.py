@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from rich.tree import Tree
 
     from gpukit.checkpoint.api import SaveTarget
-    from gpukit.checkpoint.io import RawCheckpoint
+    from gpukit.checkpoint.single_file import RawCheckpoint
     from gpukit.checkpoint.layout import FolderCheckpoint
 
 SCHEMA = "gpukit.ckpt.show/1"
@@ -124,7 +124,7 @@ def _describe(value: object) -> str:
 
 
 def _suffix_note(raw: RawCheckpoint | FolderCheckpoint) -> str | None:
-    from gpukit.checkpoint.io import SAFETENSORS, TORCH
+    from gpukit.checkpoint.single_file import SAFETENSORS, TORCH
     from gpukit.checkpoint.layout import FolderCheckpoint
 
     if isinstance(raw, FolderCheckpoint):
@@ -325,7 +325,7 @@ def _weights_of(
 
 def _convert(args: argparse.Namespace) -> int:
     from gpukit.checkpoint.api import save
-    from gpukit.checkpoint.io import TORCH
+    from gpukit.checkpoint.single_file import TORCH
     from gpukit.checkpoint.layout import FolderCheckpoint
 
     planned = _check_paths(args)
