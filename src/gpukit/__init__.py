@@ -90,7 +90,7 @@ _EXPORTS: dict[str, str] = {
     "check_devices": "gpukit.doctor",
     "explain_device_errors": "gpukit.doctor",
 }
-_SUBMODULES = {"parallel", "distributed", "errors"}
+_SUBMODULES = {"checkpoint", "parallel", "distributed", "errors"}
 
 if TYPE_CHECKING:
     from gpukit._tree import tree_map as tree_map
