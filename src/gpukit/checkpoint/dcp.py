@@ -84,10 +84,6 @@ class DcpFolder:
         """The top-level entries ``names``, read on the CPU (a pickle is refused, not skipped)."""
         return self.read_content(trust=trust, only=set(names)), {}
 
-    def read_content(self, *, trust: bool, only: Collection[str] | None = None) -> dict[str, Any]:
-        """The saved nested dict, tensors on the CPU; ``only``: the entries under those keys."""
-        return self.read_all(trust=trust, only=only)
-
     @property
     def tensors(self) -> dict[str, tuple[list[int], torch.dtype]]:
         """Every tensor entry (flattened key) with its full shape and dtype."""
@@ -161,20 +157,17 @@ class DcpFolder:
                 for extra in tensors[1:]:
                     extra.copy_(tensors[0])
 
-    def read_all(
-        self, *, trust: bool, skip: str | None = None, only: Collection[str] | None = None
-    ) -> dict[str, Any]:
+    def read_content(self, *, trust: bool, only: Collection[str] | None = None) -> dict[str, Any]:
         """The saved nested dict, tensors on the CPU (the whole checkpoint in memory).
 
-        ``skip`` leaves out one top-level entry (the weights, already in a model); ``only``
-        reads just the entries under those top-level keys, so that what is not wanted (an
-        optimizer's pickled state) is never unpickled. Non-tensor entries are pickles inside
+        ``only`` reads just the entries under those top-level keys, so that what is not wanted
+        (an optimizer's pickled state) is never unpickled. Non-tensor entries are pickles inside
         the data files: read with ``weights_only`` unless ``trust``.
         """
         wanted = [
             k
             for k in self.checked.state_dict_metadata
-            if self.path_of(k)[0] != skip and (only is None or self.path_of(k)[0] in only)
+            if only is None or self.path_of(k)[0] in only
         ]
         shapes = self.tensors
         try:
