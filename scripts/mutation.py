@@ -74,6 +74,8 @@ CORE: dict[str, list[str]] = {
         "tests/checkpoint/test_which_weights.py",
         "tests/checkpoint/test_folders.py",
         "tests/checkpoint/test_reading.py",
+        "tests/checkpoint/test_sources.py",
+        "tests/checkpoint/test_convert_describe.py",
     ],
     "gpukit.checkpoint.atomic": [
         "tests/checkpoint/test_atomic.py",

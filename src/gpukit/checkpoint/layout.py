@@ -56,7 +56,8 @@ def _index_data(path: Path, folder: Path | None = None) -> dict[str, Any] | None
     return None
 
 
-_Opener = Callable[[Path, list[str], "torch.device | None", bool], "Source | None"]
+_Opener = Callable[[Path, list[str], torch.device | None, bool], Source | None]
+"""Opens a folder of one kind (given its visible file names), or says None: not this kind."""
 
 
 def _dcp(folder: Path, names: list[str], target: torch.device | None, trust: bool) -> Source | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import json
 import os
 import pickle
 import re
@@ -103,7 +102,8 @@ class SingleFile:
     """One checkpoint file, read whole: the :class:`~gpukit.checkpoint.source.Source` of a file.
 
     ``content`` is what the file holds, before any key cleaning, its tensors real (on the
-    device it was read onto); a tensor's stored key is its location in ``content``, as JSON.
+    device it was read onto). A pickle has no keys of its own: a tensor's stored key is its
+    location in ``content``, written as the tuple it is (``"('model', 'fc.weight')"``).
     """
 
     path: Path
@@ -116,6 +116,7 @@ class SingleFile:
     layout: str = field(default="file", init=False)
     files: dict[str, int] = field(default_factory=dict, init=False)
     index: str | None = field(default=None, init=False)
+    _located: dict[str, Location] = field(default_factory=dict, init=False, repr=False)
 
     def saved_device(self, tensor: torch.Tensor) -> str | None:
         """The device ``tensor`` was saved from, when the file says so (None: unknown)."""
@@ -124,15 +125,17 @@ class SingleFile:
         return self._by_pointer.get(tensor.untyped_storage().data_ptr())
 
     def stored_key(self, location: Location) -> str:
-        """The tensor's place in ``content``, as a JSON list of keys (unambiguous, any key)."""
-        return json.dumps(list(location))
+        """The tensor's place in ``content``, as the tuple it is (one key per place)."""
+        key = repr(location)
+        self._located[key] = location
+        return key
 
     def read_into(self, targets: Mapping[str, list[torch.Tensor]], *, trust: bool) -> None:
         """Copy each stored key's tensor (already in memory) into its targets."""
         parents: dict[Location, Any] = {}
         with torch.no_grad():
             for key, tensors in targets.items():
-                location = tuple(json.loads(key))
+                location = self._located[key]
                 parent = parents.get(location[:-1])
                 if parent is None:
                     parent = parents[location[:-1]] = _entry(self.content, location[:-1])
