@@ -235,3 +235,14 @@ def test_a_new_kind_of_folder_loads_once_it_is_one_more_source(
     assert report.ok
     assert report.format == "one file per tensor"
     assert torch.equal(fresh[2].bias, model[2].bias)
+
+
+def test_a_named_index_that_links_out_of_its_folder_is_refused(
+    tmp_path: Path,
+) -> None:
+    real = _sharded(tmp_path, _model())
+    (elsewhere := tmp_path / "elsewhere").mkdir()
+    index = elsewhere / "model.safetensors.index.json"
+    index.symlink_to(real / "model.safetensors.index.json")
+    with pytest.raises(gk.errors.CheckpointError, match="outside the checkpoint folder"):
+        gk.load(_model(), index)

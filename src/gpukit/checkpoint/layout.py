@@ -24,7 +24,7 @@ import torch
 from gpukit import untrusted
 from gpukit.checkpoint.accelerate_state import is_accelerate_state, open_accelerate_state
 from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder, open_dcp
-from gpukit.checkpoint.paths import check_input, open_content
+from gpukit.checkpoint.paths import check_input, check_inside, open_content
 from gpukit.checkpoint.sharded import INDEX_LIMIT, INDEX_NAMES, open_index
 from gpukit.checkpoint.single_file import SAFETENSORS, TORCH, file_format
 from gpukit.checkpoint.single_file import read as read_file
@@ -39,7 +39,9 @@ def _index_data(path: Path, folder: Path | None = None) -> dict[str, Any] | None
 
     Opened as all checkpoint content is (a FIFO named config.json is refused, not waited on);
     a JSON file that is too large or malformed is just not an index. What is parsed here is
-    handed to the sharded folder, so that the index is read once.
+    handed to the sharded folder, so that the index is read once. An index is the folder of
+    its shards' own file: a named one that links out of its folder is refused, as a link in
+    the folder is.
     """
     fd = open_content(path, folder=folder)
     try:
@@ -47,13 +49,15 @@ def _index_data(path: Path, folder: Path | None = None) -> dict[str, Any] | None
             return None
         os.lseek(fd, 0, os.SEEK_SET)
         data = untrusted.parse_json(untrusted.read_bounded(fd, INDEX_LIMIT), limit=INDEX_LIMIT)
+        if type(data) is not dict or type(data.get("weight_map")) is not dict:
+            return None
+        if folder is None:
+            check_inside(fd, path, path.parent)
     except (OSError, untrusted.InvalidInput):
         return None
     finally:
         os.close(fd)
-    if type(data) is dict and type(data.get("weight_map")) is dict:
-        return data
-    return None
+    return data
 
 
 _Opener = Callable[[Path, list[str], torch.device | None, bool], Source | None]
