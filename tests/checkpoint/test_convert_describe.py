@@ -191,3 +191,16 @@ def test_convert_refuses_an_unknown_output_suffix_before_reading_the_input(tmp_p
 def test_convert_refuses_a_weights_only_that_is_not_a_bool(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="weights_only"):
         gk.checkpoint.convert(tmp_path / "in.pt", tmp_path / "o.pt", weights_only=1)  # type: ignore[arg-type]
+
+
+def test_convert_takes_a_checked_target_but_not_a_second_shard_size_beside_it(
+    tmp_path: Path,
+) -> None:
+    from gpukit.checkpoint.api import check_save_target
+
+    _training_checkpoint(tmp_path / "last.pt")
+    planned = check_save_target(tmp_path / "out", 64)
+    with pytest.raises(InvalidArgumentError, match="max_shard_size"):
+        gk.checkpoint.convert(tmp_path / "last.pt", planned, max_shard_size=128)
+    assert not (tmp_path / "out").exists()
+    assert gk.checkpoint.convert(tmp_path / "last.pt", planned).sharded

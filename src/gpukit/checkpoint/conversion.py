@@ -19,7 +19,7 @@ from gpukit.checkpoint.layout import open_source
 from gpukit.checkpoint.paths import check_input
 from gpukit.checkpoint.single_file import TORCH
 from gpukit.checkpoint.source import Source
-from gpukit.errors import CheckpointError, check_bool
+from gpukit.errors import CheckpointError, InvalidArgumentError, check_bool
 
 __all__ = ["Conversion", "convert"]
 
@@ -114,12 +114,19 @@ def convert(
         UntrustedCheckpointError: what must be read is a pickle that runs code, and ``trust``
             is False.
         InvalidArgumentError: ``output`` has a suffix gpukit does not know, ``max_shard_size``
-            is not a size or comes with a file's suffix, or a switch is not a bool.
+            is not a size, comes with a file's suffix or with a SaveTarget, or a switch is not
+            a bool.
     """
     check_bool("weights_only", weights_only)
     check_bool("trust", trust)
     check_input(Path(source))
     if isinstance(output, SaveTarget):
+        if max_shard_size is not None:
+            raise InvalidArgumentError(
+                f"convert was given a checked SaveTarget for {output.path} and a max_shard_size; "
+                "the target already says how the output is sharded.",
+                hint="Pass max_shard_size to check_save_target, or pass the output path.",
+            )
         planned = output
     else:
         planned = check_save_target(Path(output), max_shard_size)
