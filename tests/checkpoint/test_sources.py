@@ -246,3 +246,17 @@ def test_a_named_index_that_links_out_of_its_folder_is_refused(
     index.symlink_to(real / "model.safetensors.index.json")
     with pytest.raises(gk.errors.CheckpointError, match="outside the checkpoint folder"):
         gk.load(_model(), index)
+
+
+@pytest.mark.parametrize("where", ["whole", "under a key"])
+def test_a_pickled_module_is_read_through_its_state_dict_with_trust(
+    where: str, tmp_path: Path
+) -> None:
+    model = _model()
+    torch.save(model if where == "whole" else {"model": model, "epoch": 2}, tmp_path / "m.pt")
+    fresh = _model()
+    with torch.no_grad():
+        fresh[0].bias.zero_()
+    report = gk.load(fresh, tmp_path / "m.pt", trust=True)
+    assert report.ok
+    assert torch.equal(fresh[0].bias, model[0].bias)

@@ -138,7 +138,10 @@ class SingleFile:
                 location = self._located[key]
                 parent = parents.get(location[:-1])
                 if parent is None:
-                    parent = parents[location[:-1]] = _entry(self.content, location[:-1])
+                    parent = _entry(self.content, location[:-1])
+                    if isinstance(parent, nn.Module):  # once, not for each of its tensors
+                        parent = unwrap(parent)[0].state_dict()
+                    parents[location[:-1]] = parent
                 value = _entry(parent, location[-1:])
                 for tensor in tensors:
                     tensor.copy_(value)

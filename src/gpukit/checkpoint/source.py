@@ -117,6 +117,7 @@ class Source(Protocol):
         ...
 
     def read_content(self, *, trust: bool, only: Collection[str] | None = None) -> Any:
-        """``content`` with every entry read, tensors on the CPU; ``only``: just those
-        top-level entries, so that what is not wanted (a pickled optimizer) is never read."""
+        """``content`` with every entry read, tensors on the CPU (a single file's where it was
+        read onto); ``only``: just those top-level entries, so that what is not wanted (a
+        pickled optimizer) is never read."""
         ...
