@@ -76,6 +76,7 @@ CORE: dict[str, list[str]] = {
         "tests/checkpoint/test_reading.py",
         "tests/checkpoint/test_sources.py",
         "tests/checkpoint/test_convert_describe.py",
+        "tests/checkpoint/test_hostile.py",
     ],
     "gpukit.checkpoint.atomic": [
         "tests/checkpoint/test_atomic.py",

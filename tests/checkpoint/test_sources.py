@@ -260,3 +260,13 @@ def test_a_pickled_module_is_read_through_its_state_dict_with_trust(
     report = gk.load(fresh, tmp_path / "m.pt", trust=True)
     assert report.ok
     assert torch.equal(fresh[0].bias, model[0].bias)
+
+
+def test_weights_under_a_key_that_is_not_a_string_are_read_from_that_key(tmp_path: Path) -> None:
+    model = _model()
+    torch.save({0: model.state_dict(), "epoch": 3}, tmp_path / "m.pt")
+    fresh = _model()
+    with torch.no_grad():
+        fresh[2].weight.zero_()
+    assert gk.load(fresh, tmp_path / "m.pt").container_key == "0"
+    assert torch.equal(fresh[2].weight, model[2].weight)
