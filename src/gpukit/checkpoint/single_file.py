@@ -139,8 +139,8 @@ class SingleFile:
                 parent = parents.get(location[:-1])
                 if parent is None:
                     parent = _entry(self.content, location[:-1])
-                    if isinstance(parent, nn.Module):  # once, not for each of its tensors
-                        parent = unwrap(parent)[0].state_dict()
+                    if isinstance(parent, nn.Module):  # a pickled module: its state dict,
+                        parent = unwrap(parent)[0].state_dict()  # once for all its tensors
                     parents[location[:-1]] = parent
                 value = _entry(parent, location[-1:])
                 for tensor in tensors:
@@ -164,10 +164,8 @@ class SingleFile:
 
 
 def _entry(node: Any, location: Location) -> Any:
-    """The entry at ``location`` under ``node``; a pickled module stands for its state dict."""
+    """The entry at ``location`` under ``node`` (mappings all the way down)."""
     for step in location:
-        if isinstance(node, nn.Module):
-            node = unwrap(node)[0].state_dict()
         if step not in node:  # a key the weights finder named by its str(), as an int
             step = next(k for k in node if str(k) == step)
         node = node[step]
