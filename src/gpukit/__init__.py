@@ -92,7 +92,7 @@ _EXPORTS: dict[str, str] = {
     "check_devices": "gpukit.doctor",
     "explain_device_errors": "gpukit.doctor",
 }
-_SUBMODULES = {"parallel", "distributed", "errors", "train"}
+_SUBMODULES = {"checkpoint", "parallel", "distributed", "errors", "train"}
 
 if TYPE_CHECKING:
     from gpukit._tree import tree_map as tree_map

@@ -6,28 +6,54 @@
 >>> report = gk.load(torch.nn.Linear(4, 2), "linear.safetensors")
 >>> report.ok
 True
+>>> gk.checkpoint.describe("linear.safetensors").parameter_count
+10
 
-``api`` holds save / load; ``plan`` matches a checkpoint onto a model; ``layout`` recognises
-what a path holds (a file, a sharded folder, a DCP folder, an accelerate ``save_state`` folder);
-``io`` reads single files (format by content); ``sharded`` and ``dcp`` read and write folders,
-``accelerate_state`` reads accelerate's; ``atomic`` writes files and folders
-atomically; ``paths`` checks paths before any work; ``keys`` finds the state dict in a checkpoint
-and cleans its keys; ``report`` says what loaded; ``safetensors_format`` writes safetensors files.
+``api`` holds save / load; ``conversion`` and ``description`` are gk.checkpoint.convert and
+gk.checkpoint.describe; ``plan`` matches a checkpoint onto a model. Every kind of checkpoint is
+a ``source`` (one interface, :class:`~gpukit.checkpoint.source.Source`): ``single_file``,
+``sharded`` (Hugging Face's folders, also written), ``dcp`` and ``accelerate_state``;
+``layout`` recognises which one a path holds, by content. ``atomic`` writes files and folders
+atomically; ``paths`` checks paths before any work; ``keys`` finds the state dict in a
+checkpoint and cleans its keys; ``report`` says what loaded; ``safetensors_format`` writes
+safetensors files.
 
 The names are resolved lazily, so that ``gpukit.checkpoint.paths`` (no torch) imports fast.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpukit.checkpoint.api import LoadReport, clean_state_dict, load, save
+    from gpukit.checkpoint.conversion import Conversion, convert
+    from gpukit.checkpoint.description import Description, describe
 
-__all__ = ["LoadReport", "clean_state_dict", "load", "save"]
+_HOMES = {
+    "LoadReport": "api",
+    "clean_state_dict": "api",
+    "load": "api",
+    "save": "api",
+    "Conversion": "conversion",
+    "convert": "conversion",
+    "Description": "description",
+    "describe": "description",
+}
+
+__all__ = [
+    "Conversion",
+    "Description",
+    "LoadReport",
+    "clean_state_dict",
+    "convert",
+    "describe",
+    "load",
+    "save",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from gpukit.checkpoint import api
-
-        return getattr(api, name)
+    home = _HOMES.get(name)
+    if home is not None:
+        return getattr(importlib.import_module(f"gpukit.checkpoint.{home}"), name)
     raise AttributeError(f"module 'gpukit.checkpoint' has no attribute {name!r}")

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from gpukit.checkpoint.io import RawCheckpoint
-from gpukit.checkpoint.io import read as read_file
+from gpukit.checkpoint.single_file import SingleFile
+from gpukit.checkpoint.single_file import read as read_file
+from gpukit.checkpoint.source import Location, StoredObject
 from gpukit.errors import UntrustedCheckpointError
 
 __all__ = ["WEIGHTS_ENTRY", "AccelerateState", "is_accelerate_state", "open_accelerate_state"]
@@ -55,11 +56,24 @@ def _stem(name: str) -> str:
 
 @dataclass
 class AccelerateState:
-    """A ``save_state`` folder, opened: the first model's weights read, the other files named."""
+    """A ``save_state`` folder, opened: the first model's weights read, the other files named.
 
-    folder: Path
-    weights: RawCheckpoint
+    The :class:`~gpukit.checkpoint.source.Source` of accelerate's layout: ``content`` holds the
+    weights under ``"model"`` and a :class:`~gpukit.checkpoint.source.StoredObject` for each
+    other file, by its stem; a tensor's stored key is the weights file's own.
+    """
+
+    path: Path
+    weights: SingleFile
     others: dict[str, Path] = field(default_factory=dict)  # entry name -> its file
+    format: str = field(default="accelerate state", init=False)
+    layout: str = field(default="accelerate", init=False)
+    index: str | None = field(default=None, init=False)
+    content: dict[str, Any] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.content[WEIGHTS_ENTRY] = self.weights.content
+        self.content.update({name: StoredObject() for name in self.others})
 
     @property
     def files(self) -> dict[str, int]:
@@ -67,19 +81,40 @@ class AccelerateState:
         paths = [self.weights.path, *self.others.values()]
         return {path.name: path.stat().st_size for path in paths}
 
+    @property
+    def size(self) -> int:
+        """Bytes of every file of the state."""
+        return sum(self.files.values())
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """What gk.save recorded in the weights file (nothing, when accelerate wrote it)."""
+        return self.weights.metadata
+
+    @property
+    def source_devices(self) -> list[str]:
+        """The devices the weights were saved from."""
+        return self.weights.source_devices
+
+    def saved_device(self, tensor: torch.Tensor) -> str | None:
+        """The device one of the weights was saved from (None: unknown)."""
+        return self.weights.saved_device(tensor)
+
+    def stored_key(self, location: Location) -> str:
+        """The weights file's key of the tensor at ``("model", ...)``."""
+        if location[:1] != (WEIGHTS_ENTRY,):
+            raise KeyError(location)  # the plan only reads tensors of the weights
+        return self.weights.stored_key(location[1:])
+
     def read_into(self, targets: Mapping[str, list[torch.Tensor]], *, trust: bool) -> None:
         """Copy each stored key's tensor (of the weights file) into its targets."""
-        content = self.weights.content
-        with torch.no_grad():
-            for key, tensors in targets.items():
-                for tensor in tensors:
-                    tensor.copy_(content[key])
+        self.weights.read_into(targets, trust=trust)
 
     def _read_entry(self, name: str, trust: bool) -> Any:
         path = self.others[name]
-        return read_file(path, target=torch.device("cpu"), trust=trust, folder=self.folder).content
+        return read_file(path, target=torch.device("cpu"), trust=trust, folder=self.path).content
 
-    def read_all(self, *, trust: bool, only: Collection[str] | None = None) -> dict[str, Any]:
+    def read_content(self, *, trust: bool, only: Collection[str] | None = None) -> dict[str, Any]:
         """The weights under ``"model"`` and every other entry, read (``only``: those entries).
 
         A pickle that needs code is refused (UntrustedCheckpointError) unless ``trust``.

@@ -25,7 +25,6 @@ from torch import nn
 
 from gpukit import __version__, _tree
 from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
-from gpukit.checkpoint.io import SAFETENSORS, suffix_format
 from gpukit.checkpoint.keys import (
     FoundWeights,
     clean_keys,
@@ -34,7 +33,7 @@ from gpukit.checkpoint.keys import (
     is_state_dict,
     unwrap,
 )
-from gpukit.checkpoint.layout import FolderCheckpoint, open_checkpoint
+from gpukit.checkpoint.layout import open_source
 from gpukit.checkpoint.paths import (
     check_output_file,
     check_output_folder,
@@ -46,6 +45,8 @@ from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, write_shards
 from gpukit.checkpoint.sharded_model import is_sharded_model, load_sharded, save_sharded
+from gpukit.checkpoint.single_file import SAFETENSORS, suffix_format
+from gpukit.checkpoint.source import Source, StoredObject
 from gpukit.devices import DeviceLike, device, module_device
 from gpukit.errors import (
     CheckpointError,
@@ -55,7 +56,15 @@ from gpukit.errors import (
 )
 from gpukit.sizes import DEFAULT_SHARD_SIZE, parse_shard_size
 
-__all__ = ["LoadReport", "SaveTarget", "check_save_target", "clean_state_dict", "load", "save"]
+__all__ = [
+    "LoadReport",
+    "SaveTarget",
+    "check_save_target",
+    "clean_state_dict",
+    "load",
+    "save",
+    "weights_in",
+]
 
 METADATA_ATTRIBUTE = "_gpukit_metadata"
 
@@ -309,13 +318,6 @@ def _target(model: nn.Module, map_location: DeviceLike | Literal["auto"]) -> tor
         return torch.device("cpu")
 
 
-def _extras(content: object, found: FoundWeights) -> dict[str, Any]:
-    if not found.others or not isinstance(content, Mapping):
-        return {}
-    others = set(found.others)
-    return {str(k): v for k, v in content.items() if str(k) in others}
-
-
 def load(
     model: nn.Module,
     path: str | Path,
@@ -359,54 +361,61 @@ def load(
         return load_sharded(model, Path(path), strict=strict, trust=trust)
     inner, _ = unwrap(model)
     target = _target(inner, map_location)
-    raw = open_checkpoint(Path(path), target=target, trust=trust)
-    try:
-        found = find_weights(raw.content)
-    except LookupError as exc:
-        raise CheckpointError(
-            f"{raw.path} holds no model weights: {exc}.",
-            hint="Pass the file that holds the model's state_dict.",
-        ) from None
-    state, container = found.state, found.container
+    source = open_source(Path(path), target=target, trust=trust)
+    found = weights_in(source)
     model_state = inner.state_dict()
-    plan = plan_load(state, model_state, raw.metadata.get("tied"))
-    folder = isinstance(raw, FolderCheckpoint)
+    plan = plan_load(
+        found.state,
+        model_state,
+        source.metadata.get("tied"),
+        lambda key: source.stored_key((*found.location, key)),
+    )
     report = LoadReport(
-        path=raw.path,
-        format=raw.format,
+        path=source.path,
+        format=source.format,
         loaded=list(plan.renamed),
         missing=plan.missing,
         unexpected=plan.unexpected,
         mismatched=plan.mismatched,
         prefixes_removed=plan.prefixes,
-        source_devices=raw.source_devices,
+        source_devices=source.source_devices,
         device=str(target),
-        container_key=container,
-        metadata=raw.metadata,
-        extras={} if folder else _extras(raw.content, found),
+        container_key=found.container,
+        metadata=source.metadata,
         tied=plan.tied,
         weights_at_top_level=found.top_level,
     )
     if strict and not report.ok:
         raise mismatch_error(report, type(inner).__name__)
-    if isinstance(raw, FolderCheckpoint):
-        if found.others:
-            # The rest of a training state (optimizer, step...), as a file's extras are; read
-            # first, so that a refused pickle among them leaves the model untouched.
-            extras, unread = raw.read_extras(found, trust=trust)
-            if target.type != "cpu":
-                from gpukit.transfer import to_device
+    if found.others:
+        # The rest of a training state (optimizer, step...); read first, so that a refused
+        # pickle among them leaves the model untouched.
+        extras, unread = source.read_extras(found.others, trust=trust)
+        if target.type != "cpu":
+            from gpukit.transfer import to_device
 
-                extras = to_device(extras, target)
-            report = dataclasses.replace(report, extras=extras, unread=unread)
-        targets: dict[str, list[torch.Tensor]] = {}
-        for name, shape_only in plan.renamed.items():
-            targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
-        raw.read_into(targets, trust=trust)
-        return report
-    # torch's per-module versions, renamed like the keys (BatchNorm and others consult them).
-    copy_metadata(
-        plan.cleaned, plan.renamed, [p for p in plan.match_prefixes if not p.startswith(".")]
+            extras = to_device(extras, target)
+        report = dataclasses.replace(report, extras=extras, unread=unread)
+    source.read_into(plan.targets(model_state), trust=trust)
+    # The model's own tensors, now filled (copying them onto themselves costs nothing), and the
+    # entries that are not tensors (a module's extra state): load_state_dict then runs the
+    # modules' own loading code, with torch's per-module versions renamed like the keys.
+    loaded: OrderedDict[str, Any] = OrderedDict(
+        (name, model_state[name] if name in plan.stored else value)
+        for name, value in plan.renamed.items()
+        if not isinstance(value, StoredObject)
     )
-    inner.load_state_dict(plan.renamed, strict=strict)
+    copy_metadata(plan.cleaned, loaded, [p for p in plan.match_prefixes if not p.startswith(".")])
+    inner.load_state_dict(loaded, strict=strict)
     return report
+
+
+def weights_in(source: Source) -> FoundWeights:
+    """Where ``source`` keeps the model's weights, or a CheckpointError saying it holds none."""
+    try:
+        return find_weights(source.content)
+    except LookupError as exc:
+        raise CheckpointError(
+            f"{source.path} holds no model weights: {exc}.",
+            hint="Pass the file that holds the model's state_dict.",
+        ) from None

@@ -25,6 +25,7 @@ import torch
 from gpukit import untrusted
 from gpukit.checkpoint.dcp_metadata import read_metadata, set_path
 from gpukit.checkpoint.paths import open_content
+from gpukit.checkpoint.source import Location, StoredObject, shape_only
 from gpukit.errors import CheckpointError
 
 __all__ = ["METADATA_NAME", "DcpFolder", "is_dcp_folder", "open_dcp"]
@@ -39,11 +40,49 @@ def is_dcp_folder(folder: Path) -> bool:
 
 @dataclass
 class DcpFolder:
-    """A checked DCP folder: its entries, files and the nested structure that was saved."""
+    """A checked DCP folder: the :class:`~gpukit.checkpoint.source.Source` of DCP's layout.
 
-    folder: Path
-    metadata: Any
-    files: dict[str, int] = field(default_factory=dict)  # data file name -> size
+    ``checked`` is the folder's ``.metadata``, checked and rebuilt; ``content`` is the nested
+    structure that was saved (each entry put where the planner's path says), tensors
+    shape-only, other entries :class:`~gpukit.checkpoint.source.StoredObject`. A tensor's
+    stored key is DCP's own flattened name (``"model.0.weight"``).
+    """
+
+    path: Path
+    checked: Any
+    data_files: dict[str, int] = field(default_factory=dict)  # data file name -> size
+    metadata_size: int = 0
+    content: dict[str, Any] = field(default_factory=dict)
+    _key_at: dict[Location, str] = field(default_factory=dict, repr=False)
+    format: str = field(default="dcp", init=False)
+    layout: str = field(default="dcp", init=False)
+    index: str = field(default=METADATA_NAME, init=False)
+    metadata: dict[str, Any] = field(default_factory=dict, init=False)  # gk.save writes no DCP
+    source_devices: list[str] = field(default_factory=list, init=False)
+
+    @property
+    def files(self) -> dict[str, int]:
+        """Every data file with its size, then ``.metadata``."""
+        return {**self.data_files, METADATA_NAME: self.metadata_size}
+
+    @property
+    def size(self) -> int:
+        """Bytes of the data files and ``.metadata``."""
+        return sum(self.files.values())
+
+    def saved_device(self, tensor: torch.Tensor) -> str | None:
+        """Unknown: DCP does not record where the tensors were."""
+        return None
+
+    def stored_key(self, location: Location) -> str:
+        """DCP's flattened name of the entry the planner put at ``location``."""
+        return self._key_at[location]
+
+    def read_extras(
+        self, names: Collection[str], *, trust: bool
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """The top-level entries ``names``, read on the CPU (a pickle is refused, not skipped)."""
+        return self.read_content(trust=trust, only=set(names)), {}
 
     @property
     def tensors(self) -> dict[str, tuple[list[int], torch.dtype]]:
@@ -52,20 +91,20 @@ class DcpFolder:
 
         return {
             key: (list(item.size), item.properties.dtype)
-            for key, item in self.metadata.state_dict_metadata.items()
+            for key, item in self.checked.state_dict_metadata.items()
             if isinstance(item, TensorStorageMetadata)
         }
 
     def path_of(self, key: str) -> tuple[Any, ...]:
         """Where ``key`` sat in the saved nested dict: ``("model", "0.weight")``."""
-        found: tuple[Any, ...] = self.metadata.planner_data.get(key, (key,))
+        found: tuple[Any, ...] = self.checked.planner_data.get(key, (key,))
         return found
 
     def _reader(self) -> Any:
         from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
-        checked = self.metadata
-        folder = self.folder
+        checked = self.checked
+        folder = self.path
         refused: list[CheckpointError] = []
 
         class _CheckedFileSystem(FileSystem):
@@ -111,27 +150,24 @@ class DcpFolder:
                 if reader.refused:
                     raise reader.refused[0] from None
                 raise CheckpointError(
-                    f"{self.folder} cannot be read as a DCP checkpoint ({_reason(exc)}).",
+                    f"{self.path} cannot be read as a DCP checkpoint ({_reason(exc)}).",
                     hint="A data file is probably truncated or corrupted; copy the folder again.",
                 ) from None
             for tensors in targets.values():
                 for extra in tensors[1:]:
                     extra.copy_(tensors[0])
 
-    def read_all(
-        self, *, trust: bool, skip: str | None = None, only: Collection[str] | None = None
-    ) -> dict[str, Any]:
+    def read_content(self, *, trust: bool, only: Collection[str] | None = None) -> dict[str, Any]:
         """The saved nested dict, tensors on the CPU (the whole checkpoint in memory).
 
-        ``skip`` leaves out one top-level entry (the weights, already in a model); ``only``
-        reads just the entries under those top-level keys, so that what is not wanted (an
-        optimizer's pickled state) is never unpickled. Non-tensor entries are pickles inside
+        ``only`` reads just the entries under those top-level keys, so that what is not wanted
+        (an optimizer's pickled state) is never unpickled. Non-tensor entries are pickles inside
         the data files: read with ``weights_only`` unless ``trust``.
         """
         wanted = [
             k
-            for k in self.metadata.state_dict_metadata
-            if self.path_of(k)[0] != skip and (only is None or self.path_of(k)[0] in only)
+            for k in self.checked.state_dict_metadata
+            if only is None or self.path_of(k)[0] in only
         ]
         shapes = self.tensors
         try:
@@ -142,7 +178,7 @@ class DcpFolder:
             }
         except (RuntimeError, MemoryError):  # sizes are checked; memory may still lack
             raise CheckpointError(
-                f"{self.folder} does not fit in memory: its tensors need "
+                f"{self.path} does not fit in memory: its tensors need "
                 f"{sum(_bytes_of(*shapes[k]) for k in wanted if k in shapes)} bytes.",
                 hint="Free some memory, or read it on a machine with more.",
             ) from None
@@ -160,18 +196,18 @@ class DcpFolder:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
         objects: dict[str, Any] = {}
-        for index, info in self.metadata.storage_data.items():
-            item = self.metadata.state_dict_metadata.get(index.fqn)
+        for index, info in self.checked.storage_data.items():
+            item = self.checked.state_dict_metadata.get(index.fqn)
             if index.fqn not in wanted or not isinstance(item, BytesStorageMetadata):
                 continue
-            path = self.folder / info.relative_path
-            with os.fdopen(open_content(path, folder=self.folder), "rb") as handle:
+            path = self.path / info.relative_path
+            with os.fdopen(open_content(path, folder=self.path), "rb") as handle:
                 handle.seek(info.offset)
                 data = handle.read(info.length)
             try:
                 objects[index.fqn] = torch.load(io.BytesIO(data), weights_only=not trust)
             except pickle.UnpicklingError as exc:
-                from gpukit.checkpoint.io import untrusted_error
+                from gpukit.checkpoint.single_file import untrusted_error
 
                 if not trust and "Weights only load failed" in str(exc):
                     raise untrusted_error(path, exc) from None
@@ -236,5 +272,12 @@ def open_dcp(folder: Path) -> DcpFolder:
                 f"byte {end}.",
                 hint="The file is truncated (an interrupted copy); copy the folder again.",
             )
-        found.files[name] = size
+        found.data_files[name] = size
+    found.metadata_size = (folder / METADATA_NAME).stat().st_size
+    tensors = found.tensors
+    for key in metadata.state_dict_metadata:
+        place = found.path_of(key)
+        value = shape_only(*tensors[key]) if key in tensors else StoredObject()
+        set_path(found.content, place, value)
+        found._key_at[tuple(str(step) for step in place)] = key
     return found

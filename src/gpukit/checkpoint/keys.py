@@ -123,23 +123,29 @@ def find_state_dict(obj: object) -> tuple[Mapping[str, Any], str | None]:
     Returns ``(state_dict, None)`` when ``obj`` is itself one. Raises ``LookupError`` naming the
     top-level entries when no state dict can be found.
     """
+    state, location = _find_state_dict(obj)
+    return state, location[0] if location else None
+
+
+def _find_state_dict(obj: object) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+    """:func:`find_state_dict`, with every key from the top down to the state dict."""
     if isinstance(obj, nn.Module):
-        return unwrap(obj)[0].state_dict(), None
+        return unwrap(obj)[0].state_dict(), ()
     if is_state_dict(obj):
         assert isinstance(obj, Mapping)
-        return obj, None
+        return obj, ()
     if not isinstance(obj, Mapping):
         raise LookupError(f"the file holds a {type(obj).__name__}, not a dict of tensors")
     for key in CONTAINER_KEYS:
         if key in obj:
             try:
-                inner, _ = find_state_dict(obj[key])
+                inner, below = _find_state_dict(obj[key])
             except LookupError:
                 continue
-            return inner, key
+            return inner, (key, *below)
     nested = [key for key, value in obj.items() if is_state_dict(value)]
     if len(nested) == 1:
-        return obj[nested[0]], str(nested[0])
+        return obj[nested[0]], (str(nested[0]),)
     shown = ", ".join(repr(key) for key in list(obj)[:12])
     raise LookupError(f"no state dict among its entries ({shown})")
 
@@ -152,13 +158,24 @@ class FoundWeights:
     state dict, or when the weights are its top-level tensors); ``top_level`` says the weights
     are the top-level tensors of a training checkpoint, beside its other entries (torchtitan
     writes the model's entries so, next to ``optimizer`` and ``train_state``); ``others`` names
-    the top-level entries that are not the weights, in the checkpoint's order.
+    the top-level entries that are not the weights, in the checkpoint's order; ``location``
+    holds the keys from the top of the checkpoint down to the state dict (``("model",)``;
+    empty for a state dict on top, or top-level tensors), where each weight's place is
+    ``(*location, key)``.
     """
 
     state: Mapping[str, Any]
     container: str | None
     top_level: bool = False
     others: list[str] = field(default_factory=list)
+    location: tuple[str, ...] = ()
+
+    @property
+    def entries(self) -> set[str] | None:
+        """The top-level entries that hold the weights (None: the whole checkpoint is them)."""
+        if self.container is not None:
+            return {self.container}
+        return set(self.state) if self.top_level else None
 
 
 def _top_level_tensors(obj: Mapping[Any, Any]) -> dict[str, Any]:
@@ -178,7 +195,7 @@ def find_weights(obj: object) -> FoundWeights:
     (['weight'], True, ['train_state'])
     """
     try:
-        state, container = find_state_dict(obj)
+        state, location = _find_state_dict(obj)
     except LookupError:
         if not isinstance(obj, Mapping):
             raise
@@ -188,9 +205,11 @@ def find_weights(obj: object) -> FoundWeights:
             raise
         others = [str(k) for k in obj if k not in tensors]
         return FoundWeights(tensors, None, top_level=True, others=others)
+    container = location[0] if location else None
     if container is None or not isinstance(obj, Mapping):
-        return FoundWeights(state, container)
-    return FoundWeights(state, container, others=[str(k) for k in obj if k != container])
+        return FoundWeights(state, container, location=location)
+    others = [str(k) for k in obj if k != container]
+    return FoundWeights(state, container, others=others, location=location)
 
 
 def _drop_wrappers(key: str) -> str:

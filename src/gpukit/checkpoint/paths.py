@@ -19,6 +19,7 @@ from gpukit.errors import CheckpointError
 
 __all__ = [
     "check_input",
+    "check_inside",
     "check_output_file",
     "check_output_folder",
     "fd_path",
@@ -302,15 +303,25 @@ def open_content(path: Path, *, folder: Path | None = None) -> int:
         raise fs_error(path, exc, "read") from None
     if folder is None:
         return fd
+    try:
+        check_inside(fd, path, folder)
+    except CheckpointError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_inside(fd: int, path: Path, folder: Path) -> None:
+    """Refuse ``fd`` (opened from ``path``) unless it is a file inside the checkpoint ``folder``
+    (or, in a Hugging Face cache snapshot, in its repository's ``blobs/``); see
+    :func:`open_content`. The caller closes the descriptor either way."""
     target = _opened_at(fd, path)
     if not any(_inside(target, root) for root in _link_roots(folder)):
-        os.close(fd)
         raise CheckpointError(
             f"{path} is a link to {target}, outside the checkpoint folder {folder}: refused.",
             hint="A checkpoint folder's links may point only inside it (or, in a Hugging Face "
             "cache, into its blobs/). Copy the file into the folder, or pass that file itself.",
         )
-    return fd
 
 
 def fd_path(fd: int, path: Path) -> str:

@@ -2,13 +2,14 @@
 
 Nothing is read or loaded here: the plan is made from names and shapes (real tensors, or the
 shape-only tensors of a folder), so a checkpoint that does not fit is refused before anything
-is loaded.
+is loaded. It carries the stored key of each tensor to read (as DCP's ``ReadItem`` carries its
+storage index), so the source is asked for exactly those keys.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,8 @@ def tied_groups(state: Mapping[str, Any]) -> dict[str, str]:
 
 @dataclass
 class LoadPlan:
-    """What goes where: model key -> the checkpoint's value, and the report's lists."""
+    """What goes where: model key -> the checkpoint's value and its stored key, and the report's
+    lists."""
 
     renamed: OrderedDict[str, Any]
     missing: list[str]
@@ -61,16 +63,32 @@ class LoadPlan:
     tied: dict[str, str]
     cleaned: OrderedDict[str, Any]
     match_prefixes: list[str]
+    stored: dict[str, str]  # model key -> the stored key of the tensor it gets
+
+    def targets(self, model_state: Mapping[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """Each stored key to read, with the model tensors it fills (tied ones share a key)."""
+        found: dict[str, list[torch.Tensor]] = {}
+        for name, key in self.stored.items():
+            found.setdefault(key, []).append(model_state[name])
+        return found
 
 
-def plan_load(state: Mapping[str, Any], model_state: Mapping[str, Any], file_tied: Any) -> LoadPlan:
+def plan_load(
+    state: Mapping[str, Any],
+    model_state: Mapping[str, Any],
+    file_tied: Any,
+    stored_key: Callable[[str], str],
+) -> LoadPlan:
     """Match a checkpoint's keys onto a model's: what loads where, and what does not fit.
 
-    ``file_tied`` is what gk.save recorded as stored once (``{dropped: kept}``), if anything.
+    ``file_tied`` is what gk.save recorded as stored once (``{dropped: kept}``), if anything;
+    ``stored_key`` gives, for a key of ``state``, the key its source stores the tensor under.
     """
     cleaned, prefixes = clean_keys(state)
+    original = clean_keys({key: key for key in state})[0]  # cleaned key -> the key as stored
     match = match_keys(list(cleaned), list(model_state))
     renamed: OrderedDict[str, Any] = OrderedDict()
+    stored: dict[str, str] = {}
     mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for key, value in cleaned.items():
         name = match.mapping.get(key)
@@ -82,6 +100,8 @@ def plan_load(state: Mapping[str, Any], model_state: Mapping[str, Any], file_tie
             mismatched[name] = (tuple(value.shape), tuple(wanted.shape))
             continue
         renamed[name] = value
+        if isinstance(value, torch.Tensor) and isinstance(wanted, torch.Tensor):
+            stored[name] = stored_key(original[key])
     # Tied weights: stored once. A key the model ties to a loaded one gets it through the tie;
     # one that gk.save recorded as a copy of another is filled from that one.
     tied: dict[str, str] = {}
@@ -102,6 +122,8 @@ def plan_load(state: Mapping[str, Any], model_state: Mapping[str, Any], file_tie
                 tied.setdefault(name, source)
     for name, source in tied.items():
         renamed[name] = renamed[source]
+        if source in stored:
+            stored[name] = stored[source]
     return LoadPlan(
         renamed,
         [k for k in match.missing if k not in mismatched and k not in tied],
@@ -111,4 +133,5 @@ def plan_load(state: Mapping[str, Any], model_state: Mapping[str, Any], file_tie
         tied,
         cleaned,
         match.prefixes,
+        stored,
     )

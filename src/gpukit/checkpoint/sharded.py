@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from gpukit import untrusted
 from gpukit.checkpoint.paths import fd_path, fs_error, open_content
 from gpukit.checkpoint.safetensors_format import DTYPES, write_safetensors
+from gpukit.checkpoint.source import Location, shape_only
 from gpukit.errors import CheckpointError
 from gpukit.untrusted import InvalidInput
 
@@ -34,6 +35,7 @@ __all__ = [
     "ShardedFolder",
     "open_index",
     "plan_shards",
+    "read_index",
     "shard_names",
     "write_shards",
 ]
@@ -62,13 +64,48 @@ class Shard:
 
 @dataclass
 class ShardedFolder:
-    """A checked sharded folder: its index, its shards, and every tensor's shape and dtype."""
+    """A checked sharded folder: the :class:`~gpukit.checkpoint.source.Source` of its layout.
 
-    folder: Path
-    index: Path
-    format: str
+    ``content`` holds every stored key with a shape-only tensor, in the index's order of
+    shards; a tensor's stored key is its key there. Nothing is read until :meth:`read_into`.
+    """
+
+    path: Path
+    index_path: Path
+    shard_format: str  # "safetensors" or "torch"
     shards: list[Shard]
     total_size: int | None
+    index_size: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    content: dict[str, torch.Tensor] = field(default_factory=dict)
+    layout: str = field(default="sharded", init=False)
+
+    @property
+    def format(self) -> str:
+        """``"sharded safetensors"`` or ``"sharded torch"``."""
+        return f"sharded {self.shard_format}"
+
+    @property
+    def index(self) -> str:
+        """The index file's name."""
+        return self.index_path.name
+
+    @property
+    def files(self) -> dict[str, int]:
+        """Every shard with its size, then the index."""
+        found = {shard.path.name: shard.size for shard in self.shards}
+        found[self.index] = self.index_size
+        return found
+
+    @property
+    def size(self) -> int:
+        """Bytes of the shards and the index."""
+        return sum(self.files.values())
+
+    @property
+    def source_devices(self) -> list[str]:
+        """The devices gk.save recorded the tensors were on (none for other writers)."""
+        return [str(d) for d in self.metadata.get("devices", [])]
 
     @property
     def tensors(self) -> dict[str, tuple[list[int], torch.dtype]]:
@@ -78,6 +115,15 @@ class ShardedFolder:
             found.update(shard.tensors)
         return found
 
+    def saved_device(self, tensor: torch.Tensor) -> str | None:
+        """The device the tensors were saved from, when every one came from the same."""
+        return self.source_devices[0] if len(self.source_devices) == 1 else None
+
+    def stored_key(self, location: Location) -> str:
+        """The key itself: the folder's content is one flat state dict."""
+        (key,) = location
+        return key
+
     def read_into(self, targets: Mapping[str, list[torch.Tensor]], *, trust: bool) -> None:
         """Copy each stored tensor into its targets, one shard in memory at a time."""
         for shard in self.shards:
@@ -85,9 +131,17 @@ class ShardedFolder:
             if wanted:
                 _read_shard(self, shard, wanted, targets, trust)
 
-    def read_all(self, *, trust: bool) -> dict[str, torch.Tensor]:
-        """Every stored tensor, on the CPU (the whole checkpoint in memory)."""
-        tensors = self.tensors
+    def read_extras(
+        self, names: Collection[str], *, trust: bool
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Nothing: a sharded folder holds only weights."""
+        return {}, {}
+
+    def read_content(
+        self, *, trust: bool, only: Collection[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Every stored tensor (``only``: those keys), on the CPU."""
+        tensors = {k: v for k, v in self.tensors.items() if only is None or k in only}
         out = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in tensors.items()}
         self.read_into({key: [value] for key, value in out.items()}, trust=trust)
         return out
@@ -117,9 +171,14 @@ def read_index(index: Path) -> dict[str, Any]:
     return data
 
 
-def open_index(index: Path, *, trust: bool) -> ShardedFolder:
-    """Read and check an index file and every shard it names (headers only for safetensors)."""
-    data = read_index(index)
+def open_index(index: Path, *, trust: bool, data: dict[str, Any] | None = None) -> ShardedFolder:
+    """Check an index file and every shard it names (headers only for safetensors).
+
+    ``data``: the index, already read and parsed (by whoever recognised the file as one), so
+    that it is read once; read here when not given.
+    """
+    if data is None:
+        data = read_index(index)
     try:
         weight_map = untrusted.as_dict(data.get("weight_map"), limit=_MAX_ENTRIES)
     except InvalidInput:
@@ -167,6 +226,12 @@ def open_index(index: Path, *, trust: bool) -> ShardedFolder:
                 "shard, and the shard does not hold them.",
                 hint="The folder mixes files of different saves; save or download it again.",
             )
+    folder.index_size = index.stat().st_size
+    folder.content = {key: shape_only(*found) for key, found in folder.tensors.items()}
+    if shards:
+        from gpukit.checkpoint.single_file import gpukit_metadata
+
+        folder.metadata = gpukit_metadata({}, shards[0].metadata)
     return folder
 
 
@@ -177,10 +242,10 @@ def _format_of_names(names: list[str]) -> str:
 def _check_shard_file(folder: ShardedFolder, shard: Shard) -> int:
     if not shard.path.exists() and not shard.path.is_symlink():
         raise CheckpointError(
-            f"{shard.path} is missing: {folder.index} lists it as a shard of this checkpoint.",
+            f"{shard.path} is missing: {folder.index_path} lists it as a shard of this checkpoint.",
             hint="Copy or download the whole folder again; every shard is needed.",
         )
-    fd = open_content(shard.path, folder=folder.folder)
+    fd = open_content(shard.path, folder=folder.path)
     try:
         return os.fstat(fd).st_size
     finally:
@@ -294,7 +359,7 @@ def _header_entry(info: object) -> tuple[tuple[list[int], torch.dtype], int]:
 
 
 def _load_torch_shard(path: Path, trust: bool) -> dict[str, Any]:
-    from gpukit.checkpoint.io import TORCH, unreadable_error, untrusted_error
+    from gpukit.checkpoint.single_file import TORCH, unreadable_error, untrusted_error
 
     fd = open_content(path, folder=path.parent)
     try:
@@ -325,10 +390,10 @@ def _read_shard(
     trust: bool,
 ) -> None:
     with torch.no_grad():
-        if folder.format == "safetensors":
+        if folder.shard_format == "safetensors":
             from safetensors import safe_open
 
-            fd = open_content(shard.path, folder=folder.folder)
+            fd = open_content(shard.path, folder=folder.path)
             try:
                 with safe_open(fd_path(fd, shard.path), framework="pt", device="cpu") as handle:
                     for key in wanted:

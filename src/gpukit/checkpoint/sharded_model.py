@@ -40,12 +40,13 @@ from gpukit import __version__
 from gpukit.checkpoint.atomic import atomic_folder, write_durable
 from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder
 from gpukit.checkpoint.keys import clean_keys, find_weights, unwrap
-from gpukit.checkpoint.layout import FolderCheckpoint, open_checkpoint
+from gpukit.checkpoint.layout import open_source
 from gpukit.checkpoint.paths import check_output_folder, make_parents, parents_to_make
 from gpukit.checkpoint.plan import plan_load
 from gpukit.checkpoint.report import LoadReport, mismatch_error
 from gpukit.checkpoint.safetensors_format import DTYPES
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, plan_shards, shard_names
+from gpukit.checkpoint.source import Source
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
 from gpukit.sizes import parse_shard_size
 
@@ -363,34 +364,39 @@ def _planning_view(model_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def _plan(
     model: nn.Module, path: Path, *, strict: bool, trust: bool
-) -> tuple[Any, Any, LoadReport]:
-    raw = open_checkpoint(path, target=torch.device("cpu"), trust=trust)
+) -> tuple[Source, Any, LoadReport]:
+    source = open_source(path, target=torch.device("cpu"), trust=trust)
     try:
-        found = find_weights(raw.content)
+        found = find_weights(source.content)
     except LookupError as exc:
         raise CheckpointError(
-            f"{raw.path} holds no model weights: {exc}.",
+            f"{source.path} holds no model weights: {exc}.",
             hint="Pass the file that holds the model's state_dict.",
         ) from None
-    plan = plan_load(found.state, _planning_view(model.state_dict()), raw.metadata.get("tied"))
+    plan = plan_load(
+        found.state,
+        _planning_view(model.state_dict()),
+        source.metadata.get("tied"),
+        lambda key: source.stored_key((*found.location, key)),
+    )
     report = LoadReport(
-        path=raw.path,
-        format=raw.format,
+        path=source.path,
+        format=source.format,
         loaded=list(plan.renamed),
         missing=plan.missing,
         unexpected=plan.unexpected,
         mismatched=plan.mismatched,
         prefixes_removed=plan.prefixes,
-        source_devices=raw.source_devices,
+        source_devices=source.source_devices,
         device=str(_local_device(model)),
         container_key=found.container,
-        metadata=raw.metadata,
+        metadata=source.metadata,
         tied=plan.tied,
         weights_at_top_level=found.top_level,
     )
     if strict and not report.ok:
         raise mismatch_error(report, _class_name(model))
-    return raw, plan, report
+    return source, plan, report
 
 
 def _class_name(model: nn.Module) -> str:
@@ -414,13 +420,8 @@ def _load_dcp(model: nn.Module, path: Path, *, strict: bool, trust: bool) -> Loa
     # Every rank plans alone (the same files give the same plan) and reads only the chunks its
     # shards need, through DCP's planner: any number of processes may have saved the folder.
     inner, _ = unwrap(model)
-    raw, plan, report = _plan(inner, path, strict=strict, trust=trust)
-    assert isinstance(raw, FolderCheckpoint)
-    model_state = inner.state_dict()
-    targets: dict[str, list[torch.Tensor]] = {}
-    for name, shape_only in plan.renamed.items():
-        targets.setdefault(raw.key_of(shape_only), []).append(model_state[name])
-    raw.read_into(targets, trust=trust)
+    source, plan, report = _plan(inner, path, strict=strict, trust=trust)
+    source.read_into(plan.targets(inner.state_dict()), trust=trust)
     return report
 
 
@@ -431,16 +432,11 @@ def _load_full(model: nn.Module, path: Path, *, strict: bool, trust: bool) -> Lo
     full: dict[str, Any] = {}
 
     def read() -> LoadReport:
-        raw, plan, report = _plan(inner, path, strict=strict, trust=trust)
-        if isinstance(raw, FolderCheckpoint):
-            targets: dict[str, list[torch.Tensor]] = {}
-            for name, shape_only in plan.renamed.items():
-                tensor = torch.empty(tuple(shape_only.shape), dtype=shape_only.dtype)
-                full[name] = tensor
-                targets.setdefault(raw.key_of(shape_only), []).append(tensor)
-            raw.read_into(targets, trust=trust)
-        else:
-            full.update(plan.renamed)
+        source, plan, report = _plan(inner, path, strict=strict, trust=trust)
+        # Empty tensors of the stored shapes, read into by the source, whatever its layout.
+        for name, value in plan.renamed.items():
+            full[name] = torch.empty(tuple(value.shape), dtype=value.dtype)
+        source.read_into(plan.targets(full), trust=trust)
         return report
 
     report = _agree(read)

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         # Importing torch and scikit-learn takes seconds (15 and more on a busy machine).
         console().print("Loading torch and the digits data...")
-    from gpukit.checkpoint.io import suffix_format
+    from gpukit.checkpoint.single_file import suffix_format
     from gpukit.demo import DemoConfig, run_demo
 
     if args.save:  # before training, not after it

@@ -14,18 +14,22 @@ import re
 import stat
 import struct
 import zipfile
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from gpukit import untrusted
+from gpukit.checkpoint.keys import unwrap
 from gpukit.checkpoint.paths import check_input, fd_path, open_content
+from gpukit.checkpoint.source import Location
 from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
 
 __all__ = [
-    "RawCheckpoint",
+    "SingleFile",
     "file_format",
     "gpukit_metadata",
     "read",
@@ -36,7 +40,7 @@ __all__ = [
 
 SAFETENSORS = "safetensors"
 TORCH = "torch"
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
 
 def suffix_format(path: Path) -> str:
@@ -44,7 +48,7 @@ def suffix_format(path: Path) -> str:
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
         return SAFETENSORS
-    if suffix in _TORCH_SUFFIXES:
+    if suffix in TORCH_SUFFIXES:
         return TORCH
     raise InvalidArgumentError(
         f"{path.name}: gpukit picks the checkpoint layout from the suffix, and "
@@ -94,8 +98,13 @@ def file_format(path: Path, *, folder: Path | None = None) -> str:
 
 
 @dataclass
-class RawCheckpoint:
-    """What a file holds, before any key cleaning: the object and where its tensors came from."""
+class SingleFile:
+    """One checkpoint file, read whole: the :class:`~gpukit.checkpoint.source.Source` of a file.
+
+    ``content`` is what the file holds, before any key cleaning, its tensors real (on the
+    device it was read onto). A pickle has no keys of its own: a tensor's stored key is its
+    location in ``content``, written as the tuple it is (``"('model', 'fc.weight')"``).
+    """
 
     path: Path
     format: str
@@ -104,12 +113,63 @@ class RawCheckpoint:
     metadata: dict[str, Any] = field(default_factory=dict)
     size: int = 0
     _by_pointer: dict[int, str] = field(default_factory=dict, repr=False)
+    layout: str = field(default="file", init=False)
+    files: dict[str, int] = field(default_factory=dict, init=False)
+    index: str | None = field(default=None, init=False)
+    _located: dict[str, Location] = field(default_factory=dict, init=False, repr=False)
 
     def saved_device(self, tensor: torch.Tensor) -> str | None:
         """The device ``tensor`` was saved from, when the file says so (None: unknown)."""
         if len(self.source_devices) == 1:
             return self.source_devices[0]
         return self._by_pointer.get(tensor.untyped_storage().data_ptr())
+
+    def stored_key(self, location: Location) -> str:
+        """The tensor's place in ``content``, as the tuple it is (one key per place)."""
+        key = repr(location)
+        self._located[key] = location
+        return key
+
+    def read_into(self, targets: Mapping[str, list[torch.Tensor]], *, trust: bool) -> None:
+        """Copy each stored key's tensor (already in memory) into its targets."""
+        parents: dict[Location, Any] = {}
+        with torch.no_grad():
+            for key, tensors in targets.items():
+                location = self._located[key]
+                parent = parents.get(location[:-1])
+                if parent is None:
+                    parent = _entry(self.content, location[:-1])
+                    if isinstance(parent, nn.Module):  # a pickled module: its state dict,
+                        parent = unwrap(parent)[0].state_dict()  # once for all its tensors
+                    parents[location[:-1]] = parent
+                value = _entry(parent, location[-1:])
+                for tensor in tensors:
+                    tensor.copy_(value)
+
+    def read_extras(
+        self, names: Collection[str], *, trust: bool
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """The top-level entries ``names``, as read with the file (nothing is left unread)."""
+        if not names or not isinstance(self.content, Mapping):
+            return {}, {}
+        wanted = set(names)
+        return {str(k): v for k, v in self.content.items() if str(k) in wanted}, {}
+
+    def read_content(self, *, trust: bool, only: Collection[str] | None = None) -> Any:
+        """``content`` (read already), or just its top-level entries ``only``."""
+        if only is None or not isinstance(self.content, Mapping):
+            return self.content
+        wanted = set(only)
+        return {k: v for k, v in self.content.items() if str(k) in wanted}
+
+
+def _entry(node: Any, location: Location) -> Any:
+    """The entry at ``location`` under ``node`` (mappings all the way down)."""
+    for step in location:
+        if step not in node:  # a key the weights finder named by its str(), as an int
+            step = next(k for k in node if str(k) == step)
+        node = node[step]
+    return node
 
 
 class _LocationRecorder:
@@ -300,7 +360,7 @@ def _printable_tree(value: Any, depth: int) -> Any:
 
 def read(
     path: Path, *, target: torch.device | None, trust: bool, folder: Path | None = None
-) -> RawCheckpoint:
+) -> SingleFile:
     """Read a checkpoint file of either format, mapping tensors to ``target`` (None: CPU).
 
     ``folder``: the checkpoint folder the file was found in (its links must stay inside it);
@@ -318,11 +378,11 @@ def read(
         content, raw_meta = _read_safetensors(path, target, folder)
         meta = gpukit_metadata(content, raw_meta)
         devices = list(meta.get("devices", [])) or ["cpu"]
-        return RawCheckpoint(path, fmt, content, devices, meta, size)
+        return SingleFile(path, fmt, content, devices, meta, size)
     if fmt == TORCH:
         content, recorder = _read_torch(path, target, trust, folder)
         meta = gpukit_metadata(content, {})
-        return RawCheckpoint(path, fmt, content, recorder.seen, meta, size, recorder.by_pointer)
+        return SingleFile(path, fmt, content, recorder.seen, meta, size, recorder.by_pointer)
     raise CheckpointError(
         f"{path} ({size} bytes) is not a checkpoint: its content looks like {fmt}.",
         hint="gk.load reads files written by torch.save or safetensors (*.pt, *.pth, "

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import gpukit as gk
-from gpukit.checkpoint import io as ckpt_io
+from gpukit.checkpoint import single_file as ckpt_io
 from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
 
 DAMAGED_HINT = (

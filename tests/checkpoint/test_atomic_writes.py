@@ -1,6 +1,6 @@
 """How a save is made atomic and durable, step by step, for one file and for a whole folder.
 
-The kill tests in test_checkpoint_atomic.py show the promise as a whole (and are slow); these
+The kill tests in test_atomic.py show the promise as a whole (and are slow); these
 check each part of it on its own: where the temporary goes and what it is called, which
 temporaries a later save clears (and which it must never touch), the order of the fsyncs and
 renames, and that a folder is never missing while it is being replaced.
