@@ -36,24 +36,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # What train/ may not import although some of it sits below (docs/architecture.md, "The
 # training room"): it asks torch.distributed for the job, and is composed by distributed/.
 TRAIN_NEVER_IMPORTS = ("distributed", "parallel", "serve", "bench", "cli")
-# Names a module lists in __all__ without defining them, owned by work in progress elsewhere:
-# each entry goes when that module is reworked. Nothing may be added here.
-NOT_YET_OWN: dict[str, frozenset[str]] = {
-    "gpukit.checkpoint.api": frozenset({"LoadReport"}),
-}
-NOT_YET_FROM_DEFINER: dict[str, frozenset[str]] = {
-    "gpukit.checkpoint": frozenset({"LoadReport"}),
-}
-# cli/ckpt.py's library work (the formats it writes) moves into checkpoint/ (issue 26, §6).
-NOT_YET_PUBLIC: dict[str, frozenset[str]] = {
-    "ckpt.py": frozenset(
-        {
-            "gpukit.checkpoint.io.SAFETENSORS",
-            "gpukit.checkpoint.io.TORCH",
-            "gpukit.checkpoint.layout.ACCELERATE",
-        }
-    ),
-}
+# Names a module lists in __all__ without defining them, or imports though private: none
+# remain, and nothing may be added here.
+NOT_YET_OWN: dict[str, frozenset[str]] = {}
+NOT_YET_FROM_DEFINER: dict[str, frozenset[str]] = {}
+NOT_YET_PUBLIC: dict[str, frozenset[str]] = {}
 
 
 def _imports(path: Path) -> list[str]:

@@ -25,12 +25,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpukit.checkpoint.api import LoadReport, clean_state_dict, load, save
+    from gpukit.checkpoint.api import clean_state_dict, load, save
     from gpukit.checkpoint.conversion import Conversion, convert
     from gpukit.checkpoint.description import Description, describe
+    from gpukit.checkpoint.report import LoadReport
 
 _HOMES = {
-    "LoadReport": "api",
+    "LoadReport": "report",
     "clean_state_dict": "api",
     "load": "api",
     "save": "api",

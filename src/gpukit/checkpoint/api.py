@@ -57,7 +57,6 @@ from gpukit.errors import (
 from gpukit.sizes import DEFAULT_SHARD_SIZE, parse_shard_size
 
 __all__ = [
-    "LoadReport",
     "SaveTarget",
     "check_save_target",
     "clean_state_dict",
