@@ -23,9 +23,8 @@ from torch import nn
 import gpukit as gk
 from gpukit import untrusted
 from gpukit.checkpoint import layout
-from gpukit.checkpoint.api import weights_in
 from gpukit.checkpoint.layout import open_source
-from gpukit.checkpoint.plan import plan_load
+from gpukit.checkpoint.plan import plan_load, weights_in
 from gpukit.checkpoint.source import Location, Source, shape_only
 
 SRC = Path(gk.__file__).resolve().parent

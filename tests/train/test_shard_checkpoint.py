@@ -57,7 +57,7 @@ def dcp_folder(other_rank: OtherRank, tmp_path_factory: pytest.TempPathFactory) 
 def test_a_sharded_save_is_a_dcp_folder_where_each_rank_wrote_only_its_own_part(
     dcp_folder: Path,
 ) -> None:
-    stored = open_dcp(dcp_folder).metadata.storage_data
+    stored = open_dcp(dcp_folder).checked.storage_data
     chunks = {(i.fqn, tuple(i.offset)): info.relative_path for i, info in stored.items()}
     # 7 rows split 4 + 3: rank 0 wrote rows 0-3 of each weight, rank 1 rows 4-6, nobody all.
     assert chunks[("blocks.0.linear.weight", (0, 0))] == "__0_0.distcp"

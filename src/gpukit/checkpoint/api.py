@@ -26,10 +26,8 @@ from torch import nn
 from gpukit import __version__, _tree
 from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
 from gpukit.checkpoint.keys import (
-    FoundWeights,
     clean_keys,
     copy_metadata,
-    find_weights,
     is_state_dict,
     unwrap,
 )
@@ -40,13 +38,13 @@ from gpukit.checkpoint.paths import (
     make_parents,
     parents_to_make,
 )
-from gpukit.checkpoint.plan import plan_load, tied_groups
-from gpukit.checkpoint.report import LoadReport, mismatch_error
+from gpukit.checkpoint.plan import plan_source, tied_groups
+from gpukit.checkpoint.report import LoadReport
 from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, write_shards
 from gpukit.checkpoint.sharded_model import is_sharded_model, load_sharded, save_sharded
 from gpukit.checkpoint.single_file import SAFETENSORS, suffix_format
-from gpukit.checkpoint.source import Source, StoredObject
+from gpukit.checkpoint.source import StoredObject
 from gpukit.devices import DeviceLike, device, module_device
 from gpukit.errors import (
     CheckpointError,
@@ -62,7 +60,6 @@ __all__ = [
     "clean_state_dict",
     "load",
     "save",
-    "weights_in",
 ]
 
 METADATA_ATTRIBUTE = "_gpukit_metadata"
@@ -361,31 +358,10 @@ def load(
     inner, _ = unwrap(model)
     target = _target(inner, map_location)
     source = open_source(Path(path), target=target, trust=trust)
-    found = weights_in(source)
     model_state = inner.state_dict()
-    plan = plan_load(
-        found.state,
-        model_state,
-        source.metadata.get("tied"),
-        lambda key: source.stored_key((*found.location, key)),
+    found, plan, report = plan_source(
+        source, model_state, device=str(target), model_name=type(inner).__name__, strict=strict
     )
-    report = LoadReport(
-        path=source.path,
-        format=source.format,
-        loaded=list(plan.renamed),
-        missing=plan.missing,
-        unexpected=plan.unexpected,
-        mismatched=plan.mismatched,
-        prefixes_removed=plan.prefixes,
-        source_devices=source.source_devices,
-        device=str(target),
-        container_key=found.container,
-        metadata=source.metadata,
-        tied=plan.tied,
-        weights_at_top_level=found.top_level,
-    )
-    if strict and not report.ok:
-        raise mismatch_error(report, type(inner).__name__)
     if found.others:
         # The rest of a training state (optimizer, step...); read first, so that a refused
         # pickle among them leaves the model untouched.
@@ -409,12 +385,3 @@ def load(
     return report
 
 
-def weights_in(source: Source) -> FoundWeights:
-    """Where ``source`` keeps the model's weights, or a CheckpointError saying it holds none."""
-    try:
-        return find_weights(source.content)
-    except LookupError as exc:
-        raise CheckpointError(
-            f"{source.path} holds no model weights: {exc}.",
-            hint="Pass the file that holds the model's state_dict.",
-        ) from None

@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
-from gpukit.checkpoint.keys import clean_keys, match_keys
+from gpukit.checkpoint.keys import FoundWeights, clean_keys, find_weights, match_keys
+from gpukit.checkpoint.report import LoadReport, mismatch_error
+from gpukit.checkpoint.source import Source
+from gpukit.errors import CheckpointError
 
-__all__ = ["LoadPlan", "plan_load", "tied_groups"]
+__all__ = ["LoadPlan", "plan_load", "plan_source", "tied_groups", "weights_in"]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
@@ -135,3 +138,56 @@ def plan_load(
         match.prefixes,
         stored,
     )
+
+
+def weights_in(source: Source) -> FoundWeights:
+    """Where ``source`` keeps the model's weights, or a CheckpointError saying it holds none."""
+    try:
+        return find_weights(source.content)
+    except LookupError as exc:
+        raise CheckpointError(
+            f"{source.path} holds no model weights: {exc}.",
+            hint="Pass the file that holds the model's state_dict.",
+        ) from None
+
+
+def plan_source(
+    source: Source,
+    model_state: Mapping[str, Any],
+    *,
+    device: str,
+    model_name: str,
+    strict: bool,
+) -> tuple[FoundWeights, LoadPlan, LoadReport]:
+    """Plan loading ``source`` into a model whose state is ``model_state``, and report it.
+
+    ``device`` is where the weights land (for the report), ``model_name`` the model's class.
+
+    Raises:
+        CheckpointError: the source holds no weights, or (with ``strict``) they do not fit.
+    """
+    found = weights_in(source)
+    plan = plan_load(
+        found.state,
+        model_state,
+        source.metadata.get("tied"),
+        lambda key: source.stored_key((*found.location, key)),
+    )
+    report = LoadReport(
+        path=source.path,
+        format=source.format,
+        loaded=list(plan.renamed),
+        missing=plan.missing,
+        unexpected=plan.unexpected,
+        mismatched=plan.mismatched,
+        prefixes_removed=plan.prefixes,
+        source_devices=source.source_devices,
+        device=device,
+        container_key=found.container,
+        metadata=source.metadata,
+        tied=plan.tied,
+        weights_at_top_level=found.top_level,
+    )
+    if strict and not report.ok:
+        raise mismatch_error(report, model_name)
+    return found, plan, report

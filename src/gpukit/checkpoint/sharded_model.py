@@ -39,11 +39,11 @@ from torch import nn
 from gpukit import __version__
 from gpukit.checkpoint.atomic import atomic_folder, write_durable
 from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder
-from gpukit.checkpoint.keys import clean_keys, find_weights, unwrap
+from gpukit.checkpoint.keys import clean_keys, unwrap
 from gpukit.checkpoint.layout import open_source
 from gpukit.checkpoint.paths import check_output_folder, make_parents, parents_to_make
-from gpukit.checkpoint.plan import plan_load
-from gpukit.checkpoint.report import LoadReport, mismatch_error
+from gpukit.checkpoint.plan import LoadPlan, plan_source
+from gpukit.checkpoint.report import LoadReport
 from gpukit.checkpoint.safetensors_format import DTYPES
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, plan_shards, shard_names
 from gpukit.checkpoint.source import Source
@@ -364,38 +364,15 @@ def _planning_view(model_state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def _plan(
     model: nn.Module, path: Path, *, strict: bool, trust: bool
-) -> tuple[Source, Any, LoadReport]:
+) -> tuple[Source, LoadPlan, LoadReport]:
     source = open_source(path, target=torch.device("cpu"), trust=trust)
-    try:
-        found = find_weights(source.content)
-    except LookupError as exc:
-        raise CheckpointError(
-            f"{source.path} holds no model weights: {exc}.",
-            hint="Pass the file that holds the model's state_dict.",
-        ) from None
-    plan = plan_load(
-        found.state,
+    _, plan, report = plan_source(
+        source,
         _planning_view(model.state_dict()),
-        source.metadata.get("tied"),
-        lambda key: source.stored_key((*found.location, key)),
-    )
-    report = LoadReport(
-        path=source.path,
-        format=source.format,
-        loaded=list(plan.renamed),
-        missing=plan.missing,
-        unexpected=plan.unexpected,
-        mismatched=plan.mismatched,
-        prefixes_removed=plan.prefixes,
-        source_devices=source.source_devices,
         device=str(_local_device(model)),
-        container_key=found.container,
-        metadata=source.metadata,
-        tied=plan.tied,
-        weights_at_top_level=found.top_level,
+        model_name=_class_name(model),
+        strict=strict,
     )
-    if strict and not report.ok:
-        raise mismatch_error(report, _class_name(model))
     return source, plan, report
 
 
