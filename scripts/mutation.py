@@ -105,6 +105,8 @@ CORE: dict[str, list[str]] = {
         "tests/distributed/test_distributed.py",
         "tests/distributed/test_distributed_loader_epochs.py",
         "tests/distributed/test_distributed_loader_rules.py",
+        "tests/train/test_loader_position.py",
+        "tests/train/test_accumulate.py",
     ],
     "gpukit.untrusted": [
         "tests/untrusted/test_bounded_reads.py",
