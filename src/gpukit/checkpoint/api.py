@@ -87,6 +87,48 @@ class _Prepared:
     payload: OrderedDict[str, Any]
     wrappers: list[str] = field(default_factory=list)
     prefixes: list[str] = field(default_factory=list)
+    dtype: torch.dtype | None = None  # the weights' export dtype, if one was asked for
+    _cast: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+
+    def weights(self, state: OrderedDict[str, Any]) -> OrderedDict[str, Any]:
+        """``state`` with its floating-point tensors in the export dtype (ties kept)."""
+        if self.dtype is None:
+            return state
+        out: OrderedDict[str, Any] = OrderedDict()
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                # Tied weights are one storage under two keys: cast once, so they stay tied.
+                same = (value.device, value.data_ptr(), value.shape, value.stride())
+                if value.data_ptr() == 0:  # no storage (meta, empty): nothing to share
+                    same = (id(value),)
+                if same not in self._cast:
+                    self._cast[same] = value.detach().to(self.dtype)
+                value = self._cast[same]
+            out[key] = value
+        return out
+
+
+_EXPORT_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def _export_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The export dtype ``dtype=`` names, or an InvalidArgumentError."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _EXPORT_DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype in _EXPORT_DTYPES:
+        return _EXPORT_DTYPES[dtype]
+    raise InvalidArgumentError(
+        f"gk.save got dtype={dtype!r}, which is not a floating-point dtype to export weights in.",
+        hint="Pass torch.bfloat16, torch.float16 or torch.float32 (or 'bf16', 'fp16', 'fp32'), "
+        "or leave it out to keep the weights as they are (float32 under mixed precision).",
+    )
 
 
 def _module_state(module: nn.Module, prepared: _Prepared, label: str = "") -> OrderedDict[str, Any]:
@@ -94,11 +136,11 @@ def _module_state(module: nn.Module, prepared: _Prepared, label: str = "") -> Or
     prepared.wrappers.extend(f"{label}{name}" for name in removed)
     cleaned, prefixes = clean_keys(inner.state_dict())  # compiled submodules: "_orig_mod." inside
     prepared.prefixes.extend(p for p in prefixes if p not in prepared.prefixes)
-    return cleaned
+    return prepared.weights(cleaned)
 
 
-def _prepare(obj: object) -> _Prepared:
-    prepared = _Prepared(OrderedDict())
+def _prepare(obj: object, dtype: torch.dtype | None = None) -> _Prepared:
+    prepared = _Prepared(OrderedDict(), dtype=dtype)
     if isinstance(obj, nn.Module):
         prepared.payload = _module_state(obj, prepared)
         return prepared
@@ -109,13 +151,15 @@ def _prepare(obj: object) -> _Prepared:
             hint='Wrap it in a dict, for example gk.save({"model": model, "step": step}, path).',
         )
     if is_state_dict(obj):
-        prepared.payload, prepared.prefixes = clean_keys(obj)
+        cleaned, prepared.prefixes = clean_keys(obj)
+        prepared.payload = prepared.weights(cleaned)
         return prepared
     for key, value in obj.items():
         if isinstance(value, nn.Module):
             value = _module_state(value, prepared, f"{key}: ")
         elif is_state_dict(value):
             value, prefixes = clean_keys(value)
+            value = prepared.weights(value)
             prepared.prefixes.extend(p for p in prefixes if p not in prepared.prefixes)
         elif not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)):
             value = value.state_dict()  # optimizers, schedulers, GradScaler: their state only
@@ -233,6 +277,7 @@ def save(
     *,
     metadata: Mapping[str, Any] | None = None,
     max_shard_size: int | str | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Path:
     """Save a module, a state dict, or a dict of things, atomically; returns the path.
 
@@ -255,9 +300,26 @@ def save(
     >>> save({"model": model, "optimizer": opt, "epoch": 3}, "run/last.pt")  # doctest: +SKIP
     >>> save(model, "run/weights", max_shard_size="2GB")  # doctest: +SKIP
 
+    Weights are saved as they are: under mixed precision that is float32, the master weights.
+    ``dtype`` (``torch.bfloat16``, ``"fp16"``...) exports the models' and state dicts'
+    floating-point tensors in that dtype instead (an optimizer's state is kept as it is);
+    the dtype is recorded with the rest, and :func:`load` casts back to the model's dtype.
+
     A model sharded over processes (FSDP2) is saved by every process at once, as
     :mod:`gpukit.checkpoint.sharded_model` describes (a folder is a DCP checkpoint there).
+
+    Raises:
+        InvalidArgumentError: ``obj`` is not something to save, ``metadata`` is not JSON, or
+            ``dtype`` is not a floating-point dtype (or is asked of a sharded model).
+        CheckpointError: the path cannot be written (nothing half-written is left).
     """
+    export = _export_dtype(dtype)
+    if is_sharded_model(obj) and export is not None:
+        raise InvalidArgumentError(
+            "gk.save got dtype= for a model sharded over processes, which it saves as it is.",
+            hint="Save it without dtype=, then load it into one unsharded model and save that "
+            "with dtype=.",
+        )
     if is_sharded_model(obj):  # every rank writes its own part: checkpoint/sharded_model.py
         return save_sharded(
             obj,
@@ -268,7 +330,7 @@ def save(
         )
     planned = check_save_target(Path(path), max_shard_size)
     target, fmt, sharded = planned.path, planned.format, planned.format == SHARDED
-    prepared = _prepare(obj)
+    prepared = _prepare(obj, export)
     info: dict[str, Any] = {
         "gpukit_version": __version__,
         "torch_version": str(torch.__version__),
@@ -278,6 +340,8 @@ def save(
         "devices": sorted(_devices(prepared.payload, set())),
         "metadata": _user_metadata(metadata),
     }
+    if export is not None:
+        info["dtype"] = str(export).removeprefix("torch.")
     write: Callable[[], None]
     if sharded or fmt == SAFETENSORS:
         tensors = _tensors_only(target, prepared)
