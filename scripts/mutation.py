@@ -108,6 +108,11 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_loader_position.py",
         "tests/train/test_accumulate.py",
     ],
+    "gpukit.distributed.batch_sizes": [
+        "tests/distributed/test_distributed.py",
+        "tests/distributed/test_distributed_loader_rules.py",
+        "tests/train/test_accumulate.py",
+    ],
     "gpukit.untrusted": [
         "tests/untrusted/test_bounded_reads.py",
         "tests/untrusted/test_every_failure_is_invalid_input.py",

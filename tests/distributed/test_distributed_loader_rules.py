@@ -26,11 +26,11 @@ from torch.utils.data import (
 )
 
 from gpukit import distributed as dist
+from gpukit.distributed.batch_sizes import per_device_size
 from gpukit.distributed.data import (
     DistributedLoader,
     RankBatches,
     SampleWeights,
-    per_device_size,
     weighted_allreduce,
 )
 from gpukit.errors import InvalidArgumentError

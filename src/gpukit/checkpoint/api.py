@@ -98,7 +98,12 @@ class _Prepared:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 # Tied weights are one storage under two keys: cast once, so they stay tied.
-                same = (value.device, value.data_ptr(), value.shape, value.stride())
+                same: tuple[Any, ...] = (
+                    value.device,
+                    value.data_ptr(),
+                    value.shape,
+                    value.stride(),
+                )
                 if value.data_ptr() == 0:  # no storage (meta, empty): nothing to share
                     same = (id(value),)
                 if same not in self._cast:
@@ -447,5 +452,3 @@ def load(
     copy_metadata(plan.cleaned, loaded, [p for p in plan.match_prefixes if not p.startswith(".")])
     inner.load_state_dict(loaded, strict=strict)
     return report
-
-

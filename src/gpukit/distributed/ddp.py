@@ -10,12 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from gpukit.distributed.data import (
-    DistributedLoader,
-    SampleWeights,
-    micro_batches,
-    weighted_allreduce,
-)
+from gpukit.distributed.batch_sizes import micro_batches
+from gpukit.distributed.data import DistributedLoader, SampleWeights, weighted_allreduce
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.precision import autocast_forward, resolve_precision
