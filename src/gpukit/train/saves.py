@@ -266,6 +266,6 @@ def prune(root: Path, *, keep: int, current: Path) -> list[Path]:
 
 def load_part(folder: Path, name: str) -> Any:
     """The content of one file of a checked save, read as data (``weights_only``)."""
-    from gpukit.checkpoint.io import read
+    from gpukit.checkpoint.single_file import read
 
     return read(folder / name, target=None, trust=False, folder=folder).content
