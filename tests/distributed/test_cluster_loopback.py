@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.distributed.environment import job_port
+from gpukit.distributed.ports import job_port
 from tests.distributed.test_distributed_multiprocess import (
     LAUNCH_VARS,
     SCRIPTS,

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from gpukit import distributed as dist
 from gpukit.distributed import process_group
-from gpukit.distributed.environment import Environment, job_port
+from gpukit.distributed.environment import Environment
 from gpukit.distributed.hostlist import expand_hostlist
+from gpukit.distributed.ports import job_port
 from gpukit.errors import DistributedError
 from tests.helpers import ROOT
 

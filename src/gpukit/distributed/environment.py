@@ -31,31 +31,20 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from gpukit.distributed.hostlist import expand_hostlist
+from gpukit.distributed.ports import DEFAULT_PORT, job_port
 from gpukit.errors import DistributedError
 
 __all__ = [
     "Environment",
     "check_local_ranks_fit",
     "environment",
-    "job_port",
     "launcher_names",
     "slurm_allocation_nodes",
 ]
-
-# Derived ports stay below Linux's ephemeral range (32768-60999), where the OS hands out
-# ports to outgoing connections, and above the ports services usually register.
-PORT_BASE = 15000
-PORT_SPAN = 15000
-# Each step of a job moves the port by this much: a prime, so the steps of one job take
-# PORT_SPAN different ports, and a job's second step meets the first step of a job 7919 later.
-_STEP_STRIDE = 7919
-DEFAULT_PORT = 29500
-"""torch's conventional rendezvous port, used when nothing gives or derives one."""
 
 
 @dataclass(frozen=True)
@@ -89,25 +78,6 @@ class Environment:
 
 
 SINGLE = Environment()
-
-# -- Slurm host lists ------------------------------------------------------------------------
-
-
-def job_port(job_id: str, step: str | None = None) -> int:
-    """A rendezvous port derived from a job id and step: the same on every node of the step.
-
-    Numeric ids (Slurm's, Open MPI's) map one to one over ``PORT_SPAN`` consecutive jobs, and
-    the steps of one job (``SLURM_STEP_ID``) take different ports, so two steps running at
-    once never meet in one rendezvous; other ids are hashed.
-
-    >>> job_port("123456"), job_port("123457"), job_port("123456", "1")
-    (18456, 18457, 26375)
-    """
-    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
-    if step:
-        number += _STEP_STRIDE * (int(step) if step.isdigit() else zlib.crc32(step.encode()))
-    return PORT_BASE + number % PORT_SPAN
-
 
 # -- reading the variables -------------------------------------------------------------------
 
