@@ -73,6 +73,34 @@ def _restore_environ() -> Iterator[None]:
         os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_switches() -> Iterator[None]:
+    """Undo every change a test makes to torch's process-wide switches.
+
+    A training workload run in-process turns on deterministic algorithms, a benchmark pins the
+    thread count: without this, whichever test the random order runs next inherits them, and a
+    test of ``gk.seed_everything`` that reads "the settings before" reads another test's.
+    """
+    import torch
+
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+    )
+    yield
+    deterministic, warn_only, cudnn_deterministic, cudnn_benchmark, dtype, threads = saved
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.backends.cudnn.deterministic = cudnn_deterministic
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    torch.set_default_dtype(dtype)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def public_tmp() -> Iterator[Path]:
     """A temporary folder another user can reach (pytest's own are private to their owner)."""
