@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 
 import pytest
@@ -35,12 +36,15 @@ def test_suite_reports_positive_figures_against_an_alternative(suite: str) -> No
 def test_a_larger_batch_found_counts_as_better_and_fewer_tries_too() -> None:
     from gpukit.bench import batch_size
 
+    memory_log = logging.getLogger("gpukit.memory")
     try:
         results = batch_size.run(quick=True)
     except ImportError as exc:
         skip_without_bench_extra(exc)
     way = {r.name.split(",")[0]: r.higher_is_better for r in results}
     assert way == {"size found": True, "tries": False}
+    # The suite quiets the search's log for its run, not for the program that ran it.
+    assert memory_log.level == logging.NOTSET
 
 
 def test_startup_goals_are_numbers_the_plot_can_mark() -> None:

@@ -9,7 +9,9 @@ shrinks by 10% per failure; gpukit grows from 1 and bisects.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -53,17 +55,29 @@ def _accelerate(limit: int) -> tuple[int, list[int]]:
     return found[-1], step.tried
 
 
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """Only warnings from ``logger`` while the block runs; its own level again after."""
+    previous = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
 def run(quick: bool = False) -> list[BenchResult]:
     """Tries and size found by both searches, for several simulated memory limits."""
     limits = [100, 1000] if quick else [7, 100, 333, 1000, 2500, 4000]
     results: list[BenchResult] = []
     # The searches' own garbage collections cost far more than the simulated steps and say
     # nothing about the strategy: turn them off in both.
+    # Each try's log line is noise here; quieted for the run only, not for the caller.
     with (
         mock.patch.object(_batch_size, "_free_between_tries", return_value=None),
         mock.patch("accelerate.utils.memory.clear_device_cache", return_value=None),
+        _quiet(logging.getLogger("gpukit.memory")),
     ):
-        logging.getLogger("gpukit.memory").setLevel(logging.WARNING)
         for limit in limits:
             ours, our_tries = _gpukit(limit)
             theirs, their_tries = _accelerate(limit)
