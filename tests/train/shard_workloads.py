@@ -207,36 +207,6 @@ def train_accumulating(
     return full_weights(net)
 
 
-def train_resuming(rank: int, path: str) -> dict[str, list[float]]:
-    """Train one epoch sharded, gather the state to a file, resume it into new shards, train on."""
-    from gpukit.train.shard import gather_state, scatter_state
-
-    def prepared() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-        net = model()
-        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
-        loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
-        return dist.prepare(net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=True)
-
-    def one_epoch(net: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> None:
-        for x, y in loader:
-            loss = nn.functional.mse_loss(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
-    net, opt, loader = prepared()
-    one_epoch(net, opt, loader)
-    state = gather_state(net, opt)
-    if rank == 0:
-        torch.save(state, path)
-    del net, opt, state
-    net, opt, loader = prepared()  # fresh weights and moments: everything comes from the file
-    scatter_state(net, opt, torch.load(path, weights_only=True) if rank == 0 else {})
-    loader.set_epoch(1)
-    one_epoch(net, opt, loader)
-    return full_weights(net)
-
-
 def train_with_training_state(_rank: int, folder: str) -> dict[str, list[float]]:
     """One run trains an epoch sharded and saves a gk.TrainingState; a new run resumes it."""
     import gpukit as gk
