@@ -7,6 +7,7 @@ sample, so some ranks get none), and AdamW, whose moments amplify any difference
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -354,3 +355,29 @@ def change_after_saving(_rank: int, folder: str) -> dict[str, Any]:
     with gk.TrainingState(folder, model=net, optimizer=opt, loader=loader) as state:
         state.resume()
     return {"at_save": at_save, "resumed": _local_state(net, opt)}
+
+
+def save_failing_on_rank_1(rank: int, folder: str) -> str:
+    """A sharded save whose rank 1 cannot write its shards (a full disk): the error each rank
+    gets from waiting for it."""
+    from unittest import mock
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    import gpukit as gk
+
+    net, opt, loader = _prepared()
+
+    def full(*_: Any, **__: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    with mock.patch.object(FileSystemWriter, "write_data", full) if rank == 1 else nullcontext():
+        state = gk.TrainingState(folder, model=net, optimizer=opt, loader=loader)
+        try:
+            state.save()
+            state.wait()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            state._writer.shutdown(wait=True)
+    return "no error"

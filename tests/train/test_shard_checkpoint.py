@@ -278,6 +278,16 @@ def test_the_shards_an_asynchronous_save_writes_are_those_of_the_step_it_was_cal
     assert theirs["resumed"] == theirs["at_save"]  # type: ignore[index]
 
 
+def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(
+    other_rank: OtherRank, tmp_path: Path
+) -> None:
+    folder = tmp_path / "run"
+    mine, theirs = _both(other_rank, work.save_failing_on_rank_1, str(folder))
+    assert str(mine).startswith("CheckpointError: Cannot write the sharded part")
+    assert "No space left on device" in str(theirs)
+    assert list(folder.iterdir()) == []  # the half-written save was removed
+
+
 def test_a_save_whose_shard_file_is_cut_short_or_missing_is_passed_over(
     saved_state: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -19,7 +19,6 @@ never interleave with the training loop's.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -78,28 +77,18 @@ def _agree(ok: bool, group: Any) -> bool:
     return int(flag.item()) == 1
 
 
-def _fsync_folder(folder: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write(folder: Path, state: dict[str, Any], group: Any) -> None:
     """Save ``state`` into the DCP folder ``folder``: this rank's shards, on every rank at once.
 
-    Every data file and ``.metadata`` is fsynced (``sync_files``), then the folder, so that once
-    this returns on any rank every rank's shards and the metadata are on disk (DCP's last step
-    is the coordinator's ``.metadata``, after it heard from every rank).
+    Every data file and ``.metadata`` is fsynced (``sync_files``; the caller fsyncs the folder):
+    once this returns on any rank, every rank's shards and the metadata are written (DCP's last
+    step is the coordinator's ``.metadata``, after it heard from every rank).
 
     Raises:
         CheckpointError: a rank could not write its part (raised on every rank).
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     reason = ""
@@ -123,7 +112,6 @@ def write(folder: Path, state: dict[str, Any], group: Any) -> None:
             hint="Free space or fix the folder's permissions; the previous complete save is "
             "still there.",
         ) from None
-    _fsync_folder(folder)  # the entries of this rank's file and of .metadata (renamed in)
 
 
 def read(folder: Path, model: nn.Module, optimizer: Any, group: Any) -> None:

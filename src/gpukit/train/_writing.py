@@ -45,6 +45,8 @@ class SaveJob:
         if self.sharded is not None:
             try:
                 _sharded_part.write(self.folder / saves.SHARDED, self.sharded, self.group)
+                # This rank's file, and on rank 0 the .metadata DCP renamed in.
+                saves.fsync_folder(self.folder / saves.SHARDED)
             except BaseException as exc:  # every rank has it: DCP told them all
                 failure = exc
             self.sharded = None

@@ -51,6 +51,7 @@ __all__ = [
     "SaveInfo",
     "check",
     "finish",
+    "fsync_folder",
     "load_part",
     "newest",
     "prune",
@@ -84,7 +85,8 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` (files created, renamed in) durable (POSIX)."""
     if os.name != "posix":
         return
     fd = os.open(folder, os.O_RDONLY)
@@ -97,7 +99,7 @@ def _fsync_folder(folder: Path) -> None:
 def write_part(folder: Path, name: str, write: Callable[[BinaryIO], object]) -> None:
     """Write one new file of a save (created, never overwritten; fsynced), then its folder."""
     write_durable(folder / name, write)
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
 
 def finish(folder: Path, *, step: int, world_size: int) -> None:
@@ -125,13 +127,13 @@ def finish(folder: Path, *, step: int, world_size: int) -> None:
         "time_ns": time.time_ns(),
     }
     data = untrusted.dumps(marker).encode()
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
     def write(handle: BinaryIO, _path: Path) -> None:
         handle.write(data)
 
     atomic_write(folder / MARKER, write)
-    _fsync_folder(folder.parent)
+    fsync_folder(folder.parent)
 
 
 def _shard_files(folder: Path) -> list[str]:
@@ -272,7 +274,7 @@ def remove(path: Path) -> None:
     """Remove a save folder: its marker first, so that a half-removed save is never complete."""
     with contextlib.suppress(FileNotFoundError):
         (path / MARKER).unlink()
-        _fsync_folder(path)
+        fsync_folder(path)
     shutil.rmtree(path, ignore_errors=True)  # never follows links inside
 
 
