@@ -7,8 +7,12 @@ sample, so some ranks get none), and AdamW, whose moments amplify any difference
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -261,12 +265,13 @@ def run_with_state(
 ) -> dict[str, Any]:
     """:func:`train` through a gk.TrainingState in ``folder``: resume what is there; with
     ``stop``, save (asynchronously) after that many steps and stop there, as a job that ran
-    out of time. Its full weights, and the largest tensor (elements, a DTensor's local part)
-    this process made while ``save()`` ran."""
+    out of time. Its full weights, the largest tensor (elements, a DTensor's local part) this
+    process made while ``save()`` ran, and each file it fsynced while saving, with when."""
     import gpukit as gk
 
     net, opt, loader = _prepared(shard)
     largest = 0
+    fsyncs: list[tuple[int, str]] = []
     with gk.TrainingState(folder, model=net, optimizer=opt, loader=loader) as state:
         state.resume()
         for _ in range(loader.epoch, EPOCHS):
@@ -277,13 +282,29 @@ def run_with_state(
                 opt.step()
                 state.step += 1
                 if state.step == stop:
-                    with _LargestTensor() as seen:
+                    with _LargestTensor() as seen, _fsyncs_noted(fsyncs):
                         state.save()
+                        state.wait()  # the writer thread's fsyncs too
                     largest = seen.largest
                     break
             if state.step == stop:
                 break
-    return {"weights": full_weights(net), "largest": largest}
+    return {"weights": full_weights(net), "largest": largest, "fsyncs": fsyncs}
+
+
+@contextmanager
+def _fsyncs_noted(found: list[tuple[int, str]]) -> Iterator[None]:
+    """Note each fsync of this process (every thread): the system's monotonic clock, which
+    orders the processes of one machine, and the path fsynced."""
+    real = os.fsync
+
+    def fsync(fd: Any) -> None:
+        real(fd)
+        number = fd if isinstance(fd, int) else fd.fileno()
+        found.append((time.monotonic_ns(), os.readlink(f"/proc/self/fd/{number}")))
+
+    with mock.patch.object(os, "fsync", fsync):
+        yield
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -360,8 +381,6 @@ def change_after_saving(_rank: int, folder: str) -> dict[str, Any]:
 def save_failing_on_rank_1(rank: int, folder: str) -> str:
     """A sharded save whose rank 1 cannot write its shards (a full disk): the error each rank
     gets from waiting for it."""
-    from unittest import mock
-
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     import gpukit as gk

@@ -251,6 +251,22 @@ def test_each_rank_of_a_sharded_training_state_writes_only_its_own_shards(
     }
 
 
+def test_every_rank_fsyncs_its_shards_before_rank_0_marks_the_save_complete(
+    saved_state: dict[str, Any],
+) -> None:
+    mine, theirs = saved_state["ranks"]
+    marked = min(when for when, path in mine["fsyncs"] if "COMPLETE.json" in path)
+    assert not any("COMPLETE.json" in path for _, path in theirs["fsyncs"])
+    before = {
+        Path(path).name: rank
+        for rank, found in enumerate((mine, theirs))
+        for when, path in found["fsyncs"]
+        if when < marked and "/sharded/" in path
+    }
+    # Each rank its own shards; rank 0, DCP's coordinator, the metadata (renamed in after).
+    assert before == {"__0_0.distcp": 0, "__1_0.distcp": 1, ".metadata.tmp": 0}
+
+
 def test_no_rank_makes_a_tensor_as_large_as_a_whole_weight_while_it_saves(
     saved_state: dict[str, Any],
 ) -> None:
