@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import gpukit as gk
+from gpukit.checkpoint.dcp import open_dcp
 from gpukit.errors import CheckpointError, InvalidArgumentError, UntrustedCheckpointError
 from tests.conftest import subprocess_env
 
@@ -241,6 +242,34 @@ def test_dcp_entry_with_pickled_code_is_refused_without_trust_before_any_weight_
     report = gk.load(target, tmp_path / "dcp", trust=True)
     assert report.extras["config"] == os.getenv("HOME")
     assert _same_weights(target, source)
+
+
+def test_a_dcp_folder_read_into_a_state_fills_its_tensors_and_its_plain_entries(
+    tmp_path: Path,
+):
+    source = _trained()
+    _dcp_save({"model": source.state_dict(), "step": 3, "betas": [0.9, 0.99]}, tmp_path / "dcp")
+    target = _net()
+    state = {"model": target.state_dict(), "step": 0, "betas": None}
+    open_dcp(tmp_path / "dcp").load(state)
+    assert (state["step"], state["betas"]) == (3, [0.9, 0.99])
+    assert _same_weights(target, source)  # read in place, into the model's own tensors
+
+
+def test_a_dcp_entry_that_is_not_plain_data_is_refused_when_read_into_a_state(tmp_path: Path):
+    _dcp_save({"model": _trained().state_dict(), "config": _Payload()}, tmp_path / "dcp")
+    state = {"model": _net().state_dict(), "config": None}
+    with pytest.raises(CheckpointError, match="the entry 'config' is not plain data"):
+        open_dcp(tmp_path / "dcp").load(state)
+    assert state["config"] is None
+
+
+def test_a_dcp_folder_that_does_not_fit_the_state_is_refused_before_any_read(tmp_path: Path):
+    _dcp_save({"model": _trained().state_dict()}, tmp_path / "dcp")
+    wider = {"0.weight": torch.zeros(65, 32), "5.weight": torch.zeros(1)}
+    with pytest.raises(CheckpointError, match=r"2 mismatches \(model.0.weight is \[64, 32\]"):
+        open_dcp(tmp_path / "dcp").load({"model": wider})
+    assert not wider["0.weight"].any()
 
 
 def test_dcp_folder_of_a_wrapped_model_loads_into_the_plain_one(tmp_path: Path):

@@ -7,10 +7,16 @@ sample, so some ranks get none), and AdamW, whose moments amplify any difference
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpukit import distributed as dist
@@ -171,9 +177,15 @@ def save_error(_rank: int, path: str, max_shard_size: Any = None) -> str:
     return "no error"
 
 
-def four_processes(_: Any, folder: str) -> dict[str, Any]:
-    """In each of four processes: train sharded, and load a DCP folder two processes saved."""
-    return {"weights": train(), "loaded": load_sharded(0, folder)}
+def four_processes(_: Any, folder: str, sharded_state: str, unsharded_state: str) -> dict[str, Any]:
+    """In each of four processes: train sharded, load a DCP folder two processes saved, and
+    finish the runs whose training states two sharded processes and one process saved."""
+    return {
+        "weights": train(),
+        "loaded": load_sharded(0, folder),
+        "from_two": run_with_state(0, sharded_state)["weights"],
+        "from_one": run_with_state(0, unsharded_state)["weights"],
+    }
 
 
 def cuda_bytes_after_prepare(_: Any = None) -> dict[str, Any]:
@@ -207,36 +219,6 @@ def train_accumulating(
     return full_weights(net)
 
 
-def train_resuming(rank: int, path: str) -> dict[str, list[float]]:
-    """Train one epoch sharded, gather the state to a file, resume it into new shards, train on."""
-    from gpukit.train.shard import gather_state, scatter_state
-
-    def prepared() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-        net = model()
-        opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
-        loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
-        return dist.prepare(net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=True)
-
-    def one_epoch(net: nn.Module, opt: torch.optim.Optimizer, loader: Any) -> None:
-        for x, y in loader:
-            loss = nn.functional.mse_loss(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
-    net, opt, loader = prepared()
-    one_epoch(net, opt, loader)
-    state = gather_state(net, opt)
-    if rank == 0:
-        torch.save(state, path)
-    del net, opt, state
-    net, opt, loader = prepared()  # fresh weights and moments: everything comes from the file
-    scatter_state(net, opt, torch.load(path, weights_only=True) if rank == 0 else {})
-    loader.set_epoch(1)
-    one_epoch(net, opt, loader)
-    return full_weights(net)
-
-
 def train_with_training_state(_rank: int, folder: str) -> dict[str, list[float]]:
     """One run trains an epoch sharded and saves a gk.TrainingState; a new run resumes it."""
     import gpukit as gk
@@ -264,3 +246,157 @@ def train_with_training_state(_rank: int, folder: str) -> dict[str, list[float]]
 
     run()  # stops after its first epoch, as a job that ran out of time
     return run()
+
+
+STOP = 5
+"""The steps a run interrupted by the tests below takes before its save: inside the first
+epoch, so the loader's position inside an epoch is saved too."""
+
+
+def _prepared(shard: Any = True) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
+    loader = DataLoader(data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    return dist.prepare(net, opt, loader, global_batch_size=GLOBAL_BATCH, seed=7, shard=shard)
+
+
+def run_with_state(
+    _rank: int, folder: str, stop: int | None = None, shard: Any = True
+) -> dict[str, Any]:
+    """:func:`train` through a gk.TrainingState in ``folder``: resume what is there; with
+    ``stop``, save (asynchronously) after that many steps and stop there, as a job that ran
+    out of time. Its full weights, the largest tensor (elements, a DTensor's local part) this
+    process made while ``save()`` ran, and each file it fsynced while saving, with when."""
+    import gpukit as gk
+
+    net, opt, loader = _prepared(shard)
+    largest = 0
+    fsyncs: list[tuple[int, str]] = []
+    with gk.TrainingState(folder, model=net, optimizer=opt, loader=loader) as state:
+        state.resume()
+        for _ in range(loader.epoch, EPOCHS):
+            for x, y in loader:
+                loss = nn.functional.mse_loss(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                state.step += 1
+                if state.step == stop:
+                    with _LargestTensor() as seen, _fsyncs_noted(fsyncs):
+                        state.save()
+                        state.wait()  # the writer thread's fsyncs too
+                    largest = seen.largest
+                    break
+            if state.step == stop:
+                break
+    return {"weights": full_weights(net), "largest": largest, "fsyncs": fsyncs}
+
+
+@contextmanager
+def _fsyncs_noted(found: list[tuple[int, str]]) -> Iterator[None]:
+    """Note each fsync of this process (every thread): the system's monotonic clock, which
+    orders the processes of one machine, and the path fsynced."""
+    real = os.fsync
+
+    def fsync(fd: Any) -> None:
+        real(fd)
+        number = fd if isinstance(fd, int) else fd.fileno()
+        found.append((time.monotonic_ns(), os.readlink(f"/proc/self/fd/{number}")))
+
+    with mock.patch.object(os, "fsync", fsync):
+        yield
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Notes the most elements of any floating-point tensor an operation makes (a DTensor's: its
+    local part); the random streams' byte states are not the model's."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                local = getattr(value, "_local_tensor", value)
+                self.largest = max(self.largest, local.numel())
+        return out
+
+
+def resume_error(_rank: int, folder: str) -> str:
+    """The error a sharded run gets resuming from ``folder``."""
+    import gpukit as gk
+
+    net, opt, loader = _prepared()
+    try:
+        with gk.TrainingState(folder, model=net, optimizer=opt, loader=loader) as state:
+            state.resume()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _local_state(net: nn.Module, opt: torch.optim.Optimizer) -> list[list[float]]:
+    """This rank's rows of every weight and of AdamW's moments, in a fixed order."""
+    rows = [p.to_local().flatten().tolist() for p in net.parameters()]  # type: ignore[operator]
+    for param in net.parameters():
+        for name in ("exp_avg", "exp_avg_sq"):
+            rows.append(opt.state[param][name].to_local().flatten().tolist())
+    return rows
+
+
+def change_after_saving(_rank: int, folder: str) -> dict[str, Any]:
+    """Save asynchronously after STOP steps, change every weight and moment in place before
+    the save is written, then resume into fresh objects: this rank's state at the save, and
+    the state resumed."""
+    import threading
+
+    import gpukit as gk
+
+    net, opt, loader = _prepared()
+    for step, (x, y) in enumerate(loader, start=1):
+        loss = nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == STOP:
+            break
+    at_save = _local_state(net, opt)
+    with gk.TrainingState(folder, model=net, optimizer=opt, loader=loader) as state:
+        # The writer thread waits behind this gate: what the loop changes next reaches the
+        # save unless save() copied the shards before it returned.
+        gate = threading.Event()
+        state._writer.submit(gate.wait)
+        state.save()
+        with torch.no_grad():
+            for param in net.parameters():
+                param.add_(100.0)
+                opt.state[param]["exp_avg"].add_(100.0)
+        gate.set()
+    net, opt, loader = _prepared()
+    with gk.TrainingState(folder, model=net, optimizer=opt, loader=loader) as state:
+        state.resume()
+    return {"at_save": at_save, "resumed": _local_state(net, opt)}
+
+
+def save_failing_on_rank_1(rank: int, folder: str) -> str:
+    """A sharded save whose rank 1 cannot write its shards (a full disk): the error each rank
+    gets from waiting for it."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    import gpukit as gk
+
+    net, opt, loader = _prepared()
+
+    def full(*_: Any, **__: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    with mock.patch.object(FileSystemWriter, "write_data", full) if rank == 1 else nullcontext():
+        state = gk.TrainingState(folder, model=net, optimizer=opt, loader=loader)
+        try:
+            state.save()
+            state.wait()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            state._writer.shutdown(wait=True)
+    return "no error"

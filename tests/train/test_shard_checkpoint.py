@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from safetensors.torch import load_file
 
 import gpukit as gk
 from gpukit.checkpoint.dcp import open_dcp
+from gpukit.train import saves
 from tests.helpers.two_processes import OtherRank, two_processes
 from tests.train import shard_workloads as work
 
@@ -171,17 +174,177 @@ def test_a_sharded_save_into_a_folder_of_other_files_is_refused_on_every_rank(
     assert sorted(os.listdir(tmp_path)) == ["notes"]  # no temporary folder left behind
 
 
-def test_four_processes_train_as_one_and_load_a_folder_two_processes_saved(
-    dcp_folder: Path, expected: dict[str, list[float]]
+@pytest.fixture(scope="module")
+def saved_state(other_rank: OtherRank, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A training state two sharded processes saved after STOP steps, and what they saw."""
+    folder = tmp_path_factory.mktemp("state") / "run"
+    mine, theirs = _both(other_rank, work.run_with_state, str(folder), work.STOP)
+    (save,) = folder.iterdir()
+    return {"folder": folder, "save": save, "ranks": [mine, theirs]}
+
+
+def _copy(save: Path, tmp_path: Path) -> Path:
+    """A copy of one save, alone in a run folder of its own (so a test may damage it)."""
+    run = tmp_path / "run"
+    shutil.copytree(save, run / save.name)
+    return run / save.name
+
+
+def _tensor_elements(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, dict):
+        return sum(_tensor_elements(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_elements(v) for v in value)
+    return 0
+
+
+def _tensor_bytes_per_file(folder: Path) -> dict[str, int]:
+    """The bytes of tensor data each file of a DCP folder holds, as its .metadata says."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    checked = open_dcp(folder).checked
+    found: dict[str, int] = {}
+    for key, entry in checked.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        for chunk in entry.chunks:
+            name = checked.storage_data[MetadataIndex(key, chunk.offsets)].relative_path
+            size = entry.properties.dtype.itemsize * torch.Size(chunk.sizes).numel()
+            found[name] = found.get(name, 0) + size
+    return found
+
+
+def test_each_rank_of_a_sharded_training_state_writes_only_its_own_shards(
+    saved_state: dict[str, Any],
+) -> None:
+    save = saved_state["save"]
+    sharded = save / "sharded"
+    assert sorted(p.name for p in sharded.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    stored = open_dcp(sharded).checked.storage_data
+    chunks = {
+        (i.fqn, tuple(i.offset)): info.relative_path
+        for i, info in stored.items()
+        if i.offset is not None  # a tensor's chunk, not a pickled entry
+    }
+    # 7 rows split 4 + 3, the weights and AdamW's moments alike: each rank wrote its own rows.
+    for key in ("model.blocks.0.linear.weight", "optimizer.state.blocks.0.linear.weight.exp_avg"):
+        assert chunks[(key, (0, 0))] == "__0_0.distcp"
+        assert chunks[(key, (4, 0))] == "__1_0.distcp"
+    per_file = _tensor_bytes_per_file(sharded)
+    whole = 3 * 8 * sum(p.numel() for p in work.model().parameters())  # weights, 2 moments
+    assert sum(per_file.values()) >= whole
+    # Rank 0 holds 4 of 7 rows (and the 1-row head): no rank's file holds the whole state.
+    assert max(per_file.values()) < 0.7 * whole
+    shared = torch.load(save / "shared.pt", weights_only=True)
+    assert "model" not in shared
+    assert "optimizer" not in shared
+    assert _tensor_elements(shared) < 8  # counters only, no weights
+    marker = json.loads((save / "COMPLETE.json").read_text())
+    assert {n for n in marker["files"] if n.startswith("sharded/")} == {
+        f"sharded/{name}" for name in (".metadata", "__0_0.distcp", "__1_0.distcp")
+    }
+
+
+def test_every_rank_fsyncs_its_shards_before_rank_0_marks_the_save_complete(
+    saved_state: dict[str, Any],
+) -> None:
+    mine, theirs = saved_state["ranks"]
+    marked = min(when for when, path in mine["fsyncs"] if "COMPLETE.json" in path)
+    assert not any("COMPLETE.json" in path for _, path in theirs["fsyncs"])
+    before = {
+        Path(path).name: rank
+        for rank, found in enumerate((mine, theirs))
+        for when, path in found["fsyncs"]
+        if when < marked and "/sharded/" in path
+    }
+    # Each rank its own shards; rank 0, DCP's coordinator, the metadata (renamed in after).
+    assert before == {"__0_0.distcp": 0, "__1_0.distcp": 1, ".metadata.tmp": 0}
+
+
+def test_no_rank_makes_a_tensor_as_large_as_a_whole_weight_while_it_saves(
+    saved_state: dict[str, Any],
+) -> None:
+    # A block's weight is 7 x 7: rank 0 holds 4 rows of it (28 elements), rank 1 3 rows (21),
+    # and copies them to host memory while it saves. Gathering a weight, or the whole model,
+    # on a rank makes a tensor of 49 elements or more.
+    assert [rank["largest"] for rank in saved_state["ranks"]] == [28, 21]
+
+
+def test_a_sharded_run_resumed_on_the_same_processes_ends_bitwise_as_the_whole_run(
+    other_rank: OtherRank, saved_state: dict[str, Any], tmp_path: Path
+) -> None:
+    whole = _both(other_rank, work.train)
+    run = _copy(saved_state["save"], tmp_path).parent
+    mine, theirs = _both(other_rank, work.run_with_state, str(run))
+    assert mine["weights"] == whole[0]  # type: ignore[index]
+    assert theirs["weights"] == whole[0]  # type: ignore[index]
+
+
+def test_the_shards_an_asynchronous_save_writes_are_those_of_the_step_it_was_called_at(
+    other_rank: OtherRank, tmp_path: Path
+) -> None:
+    mine, theirs = _both(other_rank, work.change_after_saving, str(tmp_path / "run"))
+    assert mine["resumed"] == mine["at_save"]  # type: ignore[index]
+    assert theirs["resumed"] == theirs["at_save"]  # type: ignore[index]
+
+
+def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(
+    other_rank: OtherRank, tmp_path: Path
+) -> None:
+    folder = tmp_path / "run"
+    mine, theirs = _both(other_rank, work.save_failing_on_rank_1, str(folder))
+    assert str(mine).startswith("CheckpointError: Cannot write the sharded part")
+    assert "No space left on device" in str(theirs)
+    assert list(folder.iterdir()) == []  # the half-written save was removed
+
+
+def test_a_save_whose_shard_file_is_cut_short_or_missing_is_passed_over(
+    saved_state: dict[str, Any], tmp_path: Path
+) -> None:
+    save = _copy(saved_state["save"], tmp_path)
+    data = save / "sharded" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:-10])
+    found, passed = saves.newest(save.parent)
+    assert found is None
+    assert "sharded/__1_0.distcp has" in passed[0]
+    data.unlink()
+    assert "sharded/__1_0.distcp is missing" in saves.newest(save.parent)[1][0]
+
+
+def test_a_save_whose_shard_metadata_is_damaged_is_refused_on_every_rank(
+    other_rank: OtherRank, saved_state: dict[str, Any], tmp_path: Path
+) -> None:
+    save = _copy(saved_state["save"], tmp_path)
+    metadata = save / "sharded" / ".metadata"
+    hostile = b"\x80\x04cos\nsystem\n"  # a pickle that names os.system, the same size
+    metadata.write_bytes(hostile + b"\0" * (metadata.stat().st_size - len(hostile)))
+    mine, theirs = _both(other_rank, work.resume_error, str(save.parent))
+    assert str(mine).startswith("CheckpointError: ")
+    assert "is not plain DCP metadata: refused global os.system" in str(mine)
+    assert theirs == mine
+
+
+def test_four_processes_train_as_one_load_a_folder_and_resume_states_others_saved(
+    dcp_folder: Path, saved_state: dict[str, Any], expected: dict[str, list[float]]
 ) -> None:
     # The one four-process run of the suite: exact training with 97 samples (the last step
-    # gives three ranks no sample) and a DCP folder resharded from two processes to four.
+    # gives three ranks no sample), a DCP folder resharded from two processes to four, and two
+    # runs resumed sharded over four: one two sharded processes saved (DCP resharded), one a
+    # single unsharded process saved (its whole state, each rank keeping its rows). One
+    # process, unsharded, also finishes the run two sharded processes saved.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
     env["OMP_NUM_THREADS"] = "1"
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    script = str(ROOT / "tests/train/shard_four.py")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests/train/shard_four.py"), str(dcp_folder)],
+        [sys.executable, script, str(dcp_folder), str(saved_state["folder"])],
         capture_output=True,
         text=True,
         env=env,
@@ -191,12 +354,15 @@ def test_four_processes_train_as_one_and_load_a_folder_two_processes_saved(
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     single, ranks = found["single"], found["ranks"]
+    assert _furthest(found["one"], single) <= 1e-12
     assert len(ranks) == 4
     for rank in ranks:
         assert rank["loaded"] == expected
-        furthest = max(
-            abs(a - b)
-            for key in single
-            for a, b in zip(rank["weights"][key], single[key], strict=True)
-        )
-        assert furthest <= 1e-12
+        assert _furthest(rank["weights"], single) <= 1e-12
+        assert _furthest(rank["from_two"], single) <= 1e-12
+        assert _furthest(rank["from_one"], single) <= 1e-12
+
+
+def _furthest(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
+    assert a.keys() == b.keys()
+    return max(abs(x - y) for key in a for x, y in zip(a[key], b[key], strict=True))

@@ -194,6 +194,47 @@ def test_a_hostile_marker_makes_the_save_passed_over_not_a_crash(
     assert resumed.step == 5
 
 
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["sharded/.metadata", "sharded/../shared.pt"],  # out of the sharded part
+        ["sharded/.metadata", "sharded/__1_0.distcp"],  # a rank beyond the one that saved
+        ["sharded/__0_0.distcp"],  # shards without DCP's metadata
+        ["sharded/.metadata", "sharded/x/.metadata"],  # not a file of DCP's
+    ],
+)
+def test_a_marker_naming_other_files_as_the_sharded_part_makes_the_save_passed_over(
+    tmp_path: Path, names: list[str]
+) -> None:
+    _saved_at(tmp_path, [5, 10])
+    newest = max(tmp_path.iterdir(), key=lambda p: p.name)
+    marker = json.loads((newest / saves.MARKER).read_text())
+    (newest / "sharded" / "x").mkdir(parents=True)
+    for name in names:
+        (newest / name).write_bytes(b"")
+        marker["files"][name] = 0
+    (newest / saves.MARKER).write_text(json.dumps(marker))
+    with _state(tmp_path, _model()) as state:
+        resumed = state.resume()
+    assert resumed is not None
+    assert resumed.step == 5
+    assert "its marker names other files" in resumed.passed_over[0]
+
+
+def test_a_sharded_part_replaced_by_a_link_to_a_folder_is_not_followed(tmp_path: Path) -> None:
+    _saved_at(tmp_path, [5])
+    only = next(tmp_path.iterdir())
+    elsewhere = tmp_path.parent / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".metadata").write_bytes(b"")
+    (only / "sharded").symlink_to(elsewhere)
+    marker = json.loads((only / saves.MARKER).read_text())
+    marker["files"]["sharded/.metadata"] = 0
+    (only / saves.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="sharded is not a folder"):
+        saves.check(only)
+
+
 def test_keep_n_leaves_the_n_newest_complete_saves(tmp_path: Path) -> None:
     _saved_at(tmp_path, [1, 2, 3, 4], keep=2)
     steps = sorted(saves.check(p).step for p in tmp_path.iterdir())

@@ -147,15 +147,74 @@ class DcpFolder:
             except CheckpointError:
                 raise
             except (Exception, CheckpointException) as exc:  # torch wraps reader errors
-                if reader.refused:
-                    raise reader.refused[0] from None
-                raise CheckpointError(
-                    f"{self.path} cannot be read as a DCP checkpoint ({_reason(exc)}).",
-                    hint="A data file is probably truncated or corrupted; copy the folder again.",
-                ) from None
+                raise self._failure(exc, reader.refused) from None
             for tensors in targets.values():
                 for extra in tensors[1:]:
                     extra.copy_(tensors[0])
+
+    def load(self, state_dict: dict[str, Any], *, process_group: Any = None) -> None:
+        """Read the folder into ``state_dict`` in place, as ``torch.distributed.checkpoint.load``.
+
+        With ``process_group`` every rank of it calls this at once; each reads only the chunks
+        its own tensors need (a DTensor's shards, or whole tensors), whatever number of
+        processes saved the folder. Without one, this process reads alone. Entries other than
+        tensors are read as data (``weights_only``): torch's own planner unpickles them with
+        ``weights_only=False``.
+
+        Raises:
+            CheckpointError: ``state_dict`` has entries the folder lacks or holds in another
+                shape (before anything is read), or a file cannot be read (on every rank).
+        """
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        flat, _ = flatten_state_dict(state_dict)
+        wrong = self._mismatches(flat)
+        if wrong:  # every rank has the same keys and shapes: each refuses alike, none waits
+            raise CheckpointError(
+                f"{self.path} does not fit the state it is loaded into: {len(wrong)} "
+                f"mismatch{'es' if len(wrong) > 1 else ''} ({'; '.join(wrong[:3])}).",
+                hint="Load it into the model and optimizer that saved it.",
+            )
+        reader = self._reader()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            try:
+                dcp_load(
+                    state_dict,
+                    storage_reader=reader,
+                    planner=_data_planner(self.path, reader.refused),
+                    process_group=process_group,
+                    no_dist=process_group is None,
+                )
+            except CheckpointError:
+                raise
+            except (Exception, CheckpointException) as exc:
+                raise self._failure(exc, reader.refused) from None
+
+    def _mismatches(self, flat: Mapping[str, Any]) -> list[str]:
+        """What of a flattened state dict the folder lacks, or holds in another shape."""
+        stored = self.checked.state_dict_metadata
+        tensors = self.tensors
+        wrong: list[str] = []
+        for key, value in flat.items():
+            if key not in stored:
+                wrong.append(f"{untrusted.printable(key)} is not in it")
+            elif isinstance(value, torch.Tensor) and (
+                key not in tensors or tensors[key][0] != list(value.shape)
+            ):
+                saved = tensors[key][0] if key in tensors else "not a tensor"
+                wrong.append(f"{key} is {saved} there, {list(value.shape)} here")
+        return wrong
+
+    def _failure(self, exc: BaseException, refused: list[CheckpointError]) -> CheckpointError:
+        if refused:
+            return refused[0]
+        return CheckpointError(
+            f"{self.path} cannot be read as a DCP checkpoint ({_reason(exc)}).",
+            hint="A data file is probably truncated or corrupted; copy the folder again.",
+        )
 
     def read_content(self, *, trust: bool, only: Collection[str] | None = None) -> dict[str, Any]:
         """The saved nested dict, tensors on the CPU (the whole checkpoint in memory).
@@ -215,6 +274,34 @@ class DcpFolder:
             except Exception:  # whatever torch's readers raise on damaged bytes
                 raise _damaged_entry(path, index.fqn) from None
         return objects
+
+
+def _data_planner(folder: Path, refused: list[CheckpointError]) -> Any:
+    """DCP's default load planner, reading each entry other than a tensor as data."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class _DataPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            key = read_item.dest_index.fqn
+            try:
+                found = torch.load(value, weights_only=True)
+            except Exception:  # torch wraps it: the reason is kept for the caller
+                refused.append(
+                    CheckpointError(
+                        f"{folder} cannot be read: the entry {key!r} is not plain data, or "
+                        "its bytes are damaged.",
+                        hint="The checkpoint was changed after it was written; copy it again.",
+                    )
+                )
+                raise
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[key], found)
+            else:
+                self.state_dict[key] = found
+
+    return _DataPlanner()
 
 
 def _bytes_of(shape: list[int], dtype: torch.dtype) -> int:

@@ -7,14 +7,19 @@ A run's folder holds one subfolder per save, ``step-<step>-<token>``::
         shared.pt        what every rank has alike (model, optimizer, loader...): rank 0 writes it
         rank-00000.pt    each rank's own (its random streams): written by that rank
         rank-00001.pt
+        sharded/         a sharded (FSDP2) model's and optimizer's state, a DCP checkpoint:
+          __0_0.distcp     rank 0's shards, written by rank 0
+          __1_0.distcp     rank 1's shards, written by rank 1
+          .metadata        where each chunk lies: written by rank 0 once every shard is written
         COMPLETE.json    written last, by rank 0, once every file above is on disk
 
-Every file is created new and fsynced, then the folder; only then, after all ranks agreed that
-their parts are on disk, rank 0 writes ``COMPLETE.json`` (atomically) naming each file and its
-size, and fsyncs the run's folder. A save without its marker is ignored by :func:`newest` and
-removed by the next :func:`prune`; older complete saves are removed only after a newer one is
-complete (the marker goes first, so a save half removed is never taken as complete). A process
-killed at any moment therefore leaves the last complete save as it was.
+The ``sharded/`` folder is there only when the model is sharded; ``shared.pt`` then holds no
+weights. Every file is created new and fsynced, then its folder; only then, after all ranks
+agreed that their parts are on disk, rank 0 writes ``COMPLETE.json`` (atomically) naming each
+file and its size, and fsyncs the run's folder. A save without its marker is ignored by
+:func:`newest` and removed by the next :func:`prune`; older complete saves are removed only
+after a newer one is complete (the marker goes first, so a save half removed is never taken as
+complete). A process killed at any moment therefore leaves the last complete save as it was.
 
 Everything read back is a file that others may have changed: the marker is read bounded and
 parsed with :func:`gpukit.untrusted.parse_json`, its fields checked by type and range, and the
@@ -41,10 +46,12 @@ from gpukit.errors import CheckpointError
 
 __all__ = [
     "MARKER",
+    "SHARDED",
     "SHARED",
     "SaveInfo",
     "check",
     "finish",
+    "fsync_folder",
     "load_part",
     "newest",
     "prune",
@@ -56,9 +63,12 @@ __all__ = [
 
 MARKER = "COMPLETE.json"
 SHARED = "shared.pt"
+SHARDED = "sharded"
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{9,19})-([0-9a-f]{1,32})-(\d{1,9})$")
 _RANK = re.compile(r"^rank-(\d{5,9})\.pt$")
+# The files of the sharded part a marker may name: DCP's metadata, one data file per rank.
+_SHARD_FILE = re.compile(r"^sharded/(?:\.metadata|__(\d{1,9})_0\.distcp)$")
 _MARKER_LIMIT = 1 << 20
 _MAX_RANKS = 1 << 20
 
@@ -75,7 +85,8 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` (files created, renamed in) durable (POSIX)."""
     if os.name != "posix":
         return
     fd = os.open(folder, os.O_RDONLY)
@@ -88,7 +99,7 @@ def _fsync_folder(folder: Path) -> None:
 def write_part(folder: Path, name: str, write: Callable[[BinaryIO], object]) -> None:
     """Write one new file of a save (created, never overwritten; fsynced), then its folder."""
     write_durable(folder / name, write)
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
 
 def finish(folder: Path, *, step: int, world_size: int) -> None:
@@ -97,7 +108,7 @@ def finish(folder: Path, *, step: int, world_size: int) -> None:
     Raises:
         CheckpointError: a part is missing (a rank did not write its file).
     """
-    names = [SHARED, *(rank_file(r) for r in range(world_size))]
+    names = [SHARED, *(rank_file(r) for r in range(world_size)), *_shard_files(folder)]
     sizes: dict[str, int] = {}
     for name in names:
         try:
@@ -116,13 +127,22 @@ def finish(folder: Path, *, step: int, world_size: int) -> None:
         "time_ns": time.time_ns(),
     }
     data = untrusted.dumps(marker).encode()
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
     def write(handle: BinaryIO, _path: Path) -> None:
         handle.write(data)
 
     atomic_write(folder / MARKER, write)
-    _fsync_folder(folder.parent)
+    fsync_folder(folder.parent)
+
+
+def _shard_files(folder: Path) -> list[str]:
+    """The files of the save's sharded part (none without one), as the marker names them."""
+    try:
+        entries = list(os.scandir(folder / SHARDED))
+    except FileNotFoundError:
+        return []
+    return sorted(f"{SHARDED}/{entry.name}" for entry in entries)
 
 
 @dataclass(frozen=True)
@@ -135,6 +155,11 @@ class SaveInfo:
     files: dict[str, int]
     time_ns: int
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the save holds a sharded part (a DCP checkpoint in ``sharded/``)."""
+        return any(name.startswith(f"{SHARDED}/") for name in self.files)
+
 
 def _checked_marker(folder: Path) -> SaveInfo:
     try:
@@ -144,7 +169,7 @@ def _checked_marker(folder: Path) -> SaveInfo:
             raise untrusted.InvalidInput(f"its format is not {FORMAT}")
         step = untrusted.as_int(found.get("step"), what="step")
         world = untrusted.as_int(found.get("world_size"), low=1, high=_MAX_RANKS, what="world")
-        files = untrusted.as_dict(found.get("files"), limit=world + 1, what="files")
+        files = untrusted.as_dict(found.get("files"), limit=2 * world + 2, what="files")
         sizes = {
             name: untrusted.as_int(size, what=f"size of {name}") for name, size in files.items()
         }
@@ -154,11 +179,24 @@ def _checked_marker(folder: Path) -> SaveInfo:
     except OSError as exc:
         raise untrusted.InvalidInput(f"its marker cannot be read ({exc.strerror})") from None
     expected = {SHARED, *(rank_file(r) for r in range(world))}
-    if set(sizes) != expected:
+    sharded = set(sizes) - expected
+    if not expected <= set(sizes) or not _sharded_part_named(sharded, world):
         raise untrusted.InvalidInput(
-            f"its marker names other files than the {world + 1} of a save by {world} processes"
+            f"its marker names other files than those of a save by {world} processes"
         )
     return SaveInfo(folder, step, world, sizes, when)
+
+
+def _sharded_part_named(names: set[str], world: int) -> bool:
+    """Whether ``names`` are none, or the files of a sharded part written by ``world`` ranks:
+    its ``.metadata`` and data files of ranks below ``world``."""
+    if not names:
+        return True
+    for name in names:
+        match = _SHARD_FILE.match(name)
+        if match is None or (match.group(1) is not None and int(match.group(1)) >= world):
+            return False
+    return f"{SHARDED}/.metadata" in names
 
 
 def check(folder: Path) -> SaveInfo:
@@ -169,11 +207,10 @@ def check(folder: Path) -> SaveInfo:
     """
     try:
         info = _checked_marker(folder)
+        if info.sharded and not stat.S_ISDIR(_lstat(folder / SHARDED, SHARDED).st_mode):
+            raise untrusted.InvalidInput(f"{SHARDED} is not a folder")
         for name, size in info.files.items():
-            try:
-                found = (folder / name).lstat()
-            except FileNotFoundError:
-                raise untrusted.InvalidInput(f"{name} is missing") from None
+            found = _lstat(folder / name, name)
             if not stat.S_ISREG(found.st_mode):
                 raise untrusted.InvalidInput(f"{name} is not a regular file")
             if found.st_size != size:
@@ -186,6 +223,13 @@ def check(folder: Path) -> SaveInfo:
             hint="Resume from another save in that folder, or start the run again.",
         ) from None
     return info
+
+
+def _lstat(path: Path, name: str) -> os.stat_result:
+    try:
+        return path.lstat()
+    except FileNotFoundError:
+        raise untrusted.InvalidInput(f"{name} is missing") from None
 
 
 def _saves(root: Path) -> list[Path]:
@@ -230,7 +274,7 @@ def remove(path: Path) -> None:
     """Remove a save folder: its marker first, so that a half-removed save is never complete."""
     with contextlib.suppress(FileNotFoundError):
         (path / MARKER).unlink()
-        _fsync_folder(path)
+        fsync_folder(path)
     shutil.rmtree(path, ignore_errors=True)  # never follows links inside
 
 

@@ -36,11 +36,9 @@ __all__ = [
     "ShardPolicy",
     "WeightedReduceScatter",
     "blocks_to_shard",
-    "gather_state",
     "is_sharded",
     "mixed_precision",
     "repeated_blocks",
-    "scatter_state",
     "shard",
     "shard_model",
 ]
@@ -275,59 +273,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str]) ->
             "the model cannot move them.",
             hint="Build the optimizer over model.parameters() of the model passed to prepare().",
         )
-
-
-def gather_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, Any]:
-    """The whole state of a sharded model (and its optimizer) on rank 0's CPU; ``{}`` elsewhere.
-
-    A collective: every rank calls it. The optimizer's state is keyed by parameter names
-    (``get_state_dict`` with ``full_state_dict``), so :func:`scatter_state` loads it into any
-    number of processes. Tensors are gathered one at a time and kept on the CPU of rank 0
-    only (``cpu_offload``), which holds the whole state there.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if optimizer is None:
-        whole: dict[str, Any] = {"model": get_model_state_dict(model, options=options)}
-    else:
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-        whole = {"model": model_state, "optimizer": optimizer_state}
-    return whole if dist.get_rank() == 0 else {}
-
-
-def scatter_state(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    state: dict[str, Any],
-    *,
-    from_rank0: bool = True,
-) -> None:
-    """Load what :func:`gather_state` returned into a sharded model, resharded over this group.
-
-    A collective: rank 0 passes the state, the other ranks ``{}``; rank 0 sends each tensor in
-    turn (``set_state_dict`` with ``broadcast_from_rank0``) and each rank keeps its rows. With
-    ``from_rank0=False`` every rank passes the whole state (read from a file each rank can
-    open) and keeps its own rows of it, without sending anything.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
-    # Model and optimizer apart: set_state_dict takes an empty model state (the other ranks')
-    # as "optimizer only" and would skip the broadcast rank 0 is waiting in.
-    set_model_state_dict(model, state.get("model", {}), options=options)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=options)
 
 
 def is_sharded(model: nn.Module) -> bool:

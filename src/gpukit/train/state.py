@@ -19,10 +19,13 @@ its epoch and its position inside the epoch), an accumulation counter, user extr
 objects or plain data), the step counter, and every rank's random streams.
 
 Rank 0 writes what every rank holds alike (the DDP replicas are identical), each rank writes its
-own random streams, and a save is complete only when rank 0 has marked it after all ranks' parts
-are on disk (see :mod:`gpukit.train.saves`). With ``asynchronous=True`` (the default) ``save``
-copies the state to host memory and returns; a background thread writes it, and the next
-``save``, ``resume``, ``wait`` or ``close`` waits for it first.
+own random streams; a model sharded with FSDP2 is saved by every rank writing only its own
+shards of the weights and the optimizer's moments (a DCP checkpoint,
+:mod:`gpukit.train._sharded_part`), so no rank ever holds the whole model. A save is complete
+only when rank 0 has marked it after all ranks' parts are on disk (see
+:mod:`gpukit.train.saves`). With ``asynchronous=True`` (the default) ``save`` copies the state
+to host memory and returns; a background thread writes it, and the next ``save``, ``resume``,
+``wait`` or ``close`` waits for it first.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import gpukit.train._sharded_part as _sharded_part
 import gpukit.train.rng as rng
 import gpukit.train.saves as saves
 from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
 from gpukit.train._staging import Stager, check_plain, is_stateful
 from gpukit.train._writing import SaveJob
-from gpukit.train.shard import gather_state, is_sharded, scatter_state
+from gpukit.train.shard import is_sharded
 
 __all__ = ["Resumed", "TrainingState"]
 
@@ -146,17 +150,19 @@ class TrainingState:
         self._token = ""
         self._count = 0
         self._stagers = (Stager(), Stager())  # the shared part, this rank's own
+        self._shard_stager: Any = None  # torch's, made at the first save of a sharded model
 
     # --- gathering -------------------------------------------------------------------------
 
-    def _shared(self) -> dict[str, Any]:
-        """What every rank holds alike: written once, by rank 0."""
+    def _shared(self, sharded: list[str]) -> dict[str, Any]:
+        """What every rank holds alike: written once, by rank 0. ``sharded`` names the parts
+        each rank writes its own shards of instead (a sharded model, its optimizer)."""
         inner, _ = unwrap(self.model)
-        state: dict[str, Any] = {"step": self.step, "model": inner.state_dict()}
-        if is_sharded(inner):  # FSDP2: the whole weights and moments, gathered on rank 0
-            state.update(gather_state(inner, self.parts.get("optimizer")))
+        state: dict[str, Any] = {"step": self.step, "sharded": sharded}
+        if "model" not in sharded:
+            state["model"] = inner.state_dict()
         for name, part in self.parts.items():
-            if name not in state:
+            if name not in sharded:
                 state[name] = part.state_dict()
         state["extras"] = _extras_state(self.extras)
         return state
@@ -198,13 +204,22 @@ class TrainingState:
         self._count += 1
         target = self.folder / name
         block = not self.asynchronous if blocking is None else blocking
-        # A sharded model is gathered by every rank (a collective); rank 0 alone keeps it.
-        shared = self._shared() if rank == 0 or is_sharded(self.model) else None
-        shared = shared if rank == 0 else None
+        inner, _ = unwrap(self.model)
+        # A sharded model: each rank keeps its own shards, never the whole.
+        parted = (
+            _sharded_part.sharded_state(inner, self.parts.get("optimizer"))
+            if is_sharded(inner)
+            else None
+        )
+        shared = self._shared(sorted(parted or ())) if rank == 0 else None
         own = self._own()
         if not block:
             # The loop may change the originals as soon as this returns.
             shared, own = self._stagers[0].stage(shared), self._stagers[1].stage(own)
+            if parted is not None:
+                if self._shard_stager is None:
+                    self._shard_stager = _sharded_part.stager(inner)
+                parted = self._shard_stager.stage(parted)
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -213,7 +228,7 @@ class TrainingState:
                 hint="Pass a folder this process can create and write (on a shared file "
                 "system when the ranks run on several machines).",
             ) from None
-        job = SaveJob(target, self.step, rank, world, self.keep, self._group, shared, own)
+        job = SaveJob(target, self.step, rank, world, self.keep, self._group, shared, own, parted)
         if block:
             self._last = job.run()
             return target
@@ -238,6 +253,9 @@ class TrainingState:
             self.wait()
         finally:
             self._writer.shutdown(wait=True)
+            if self._shard_stager is not None:
+                self._shard_stager.close()  # its host copies of the shards
+                self._shard_stager = None
 
     def __enter__(self) -> TrainingState:
         return self
@@ -278,7 +296,7 @@ class TrainingState:
             return None
         shared = saves.load_part(info.path, saves.SHARED)
         own = saves.load_part(info.path, saves.rank_file(rank % info.world_size))
-        self._load_shared(shared, info.path)
+        self._load_shared(shared, info)
         if not isinstance(own, dict) or "rng" not in own:
             raise _malformed(info.path / saves.rank_file(rank % info.world_size), "rng")
         rng.restore(own["rng"], where=str(info.path))
@@ -292,33 +310,22 @@ class TrainingState:
         )
         return Resumed(info.path, info.step, info.world_size, passed)
 
-    def _load_shared(self, shared: Any, path: Path) -> None:
+    def _load_shared(self, shared: Any, info: saves.SaveInfo) -> None:
+        path = info.path
         if not isinstance(shared, dict):
             raise _malformed(path / saves.SHARED, "a mapping")
         step = shared.get("step")
         if type(step) is not int or step < 0:
             raise _malformed(path / saves.SHARED, "the step")
-        inner, _ = unwrap(self.model)
-        sharded = is_sharded(inner)
-        try:
-            if sharded:  # every rank read the whole state: each keeps its own rows
-                optimizer = self.parts.get("optimizer")
-                whole = {"model": shared["model"]}
-                if optimizer is not None and "optimizer" in shared:
-                    whole["optimizer"] = shared["optimizer"]
-                scatter_state(
-                    inner, optimizer if "optimizer" in whole else None, whole, from_rank0=False
-                )
-            else:
-                inner.load_state_dict(shared["model"])
-        except (KeyError, RuntimeError, TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"{path} holds another model's weights: {str(exc).splitlines()[0]}",
-                hint="Resume with the model the run saved, or start in another folder.",
-            ) from None
+        parted = shared.get("sharded", [])
+        if type(parted) is not list or not all(name in ("model", "optimizer") for name in parted):
+            raise _malformed(path / saves.SHARED, "the list of sharded parts")
+        if info.sharded != ("model" in parted):
+            raise _malformed(path / saves.SHARED, "the sharded part")
+        loaded = self._load_model(shared, parted, path)
         for name, part in self.parts.items():
-            if sharded and name == "optimizer" and name in shared:
-                continue  # loaded with the sharded model above
+            if name in loaded:
+                continue
             if name not in shared:
                 raise CheckpointError(
                     f"{path} holds no {name} state, and this run has a {name}.",
@@ -336,6 +343,28 @@ class TrainingState:
                 ) from None
         _load_extras(self.extras, shared.get("extras"), path)
         self.step = step
+
+    def _load_model(self, shared: dict[str, Any], parted: list[str], path: Path) -> set[str]:
+        """Load the model (and the optimizer, where it is saved with a sharded model); return
+        the parts loaded. Either run may be sharded or not, over any number of processes."""
+        inner, _ = unwrap(self.model)
+        optimizer = self.parts.get("optimizer")
+        if parted:  # every rank reads the chunks its own state needs (DCP reshards)
+            with_optimizer = optimizer if "optimizer" in parted else None
+            _sharded_part.read(path / saves.SHARDED, inner, with_optimizer, self._group)
+            return {"model", "optimizer"} if with_optimizer is not None else {"model"}
+        try:
+            if is_sharded(inner):  # an unsharded run's save: each rank keeps its rows
+                state = shared.get("optimizer") if optimizer is not None else None
+                _sharded_part.load_whole(inner, optimizer, shared["model"], state)
+                return {"model", "optimizer"} if state is not None else {"model"}
+            inner.load_state_dict(shared["model"])
+        except (KeyError, RuntimeError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{path} holds another model's weights: {str(exc).splitlines()[0]}",
+                hint="Resume with the model the run saved, or start in another folder.",
+            ) from None
+        return {"model"}
 
 
 def _agree(info: saves.SaveInfo | None, root: Path, group: Any) -> saves.SaveInfo | None:
