@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from gpukit import distributed as dist
 from gpukit.errors import InvalidArgumentError
 from gpukit.train import AccumulationPlan, TrainStep, plan_accumulation
+from gpukit.train.accumulate import Accumulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import accumulate_workloads as work
@@ -182,3 +183,31 @@ def test_a_plan_uses_the_largest_micro_batch_that_fits_and_divides_the_share(
 def test_a_plan_for_a_global_batch_that_does_not_split_over_the_processes_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="cannot be split evenly over 4"):
         plan_accumulation(10, 2, 4)
+
+
+def _weights(acc: Accumulation, samples: list[int], counts: list[int] | None = None) -> list[float]:
+    """The loss weights of one window of micro-batches, then the gradient weight."""
+    out = []
+    for k, n in enumerate(samples):
+        acc.begin(k, len(samples), n, sum(samples))
+        out.append(acc.loss_weight(None if counts is None else counts[k]))
+    acc.settle()
+    return [*out, acc.gradient_weight()]
+
+
+def test_without_loss_scaling_the_loss_carries_the_whole_weight_and_gradients_are_left_alone() -> (
+    None
+):
+    # As loss / K in a hand-written loop: the last window's 12, 12 and 1 samples of 25.
+    assert _weights(Accumulation(3), [12, 12, 1]) == [12 / 25, 12 / 25, 1 / 25, 1.0]
+
+
+def test_under_fp16_loss_scaling_a_loss_keeps_its_size_and_the_gradients_take_the_share() -> None:
+    # A loss divided by the whole global batch would underflow in fp16 before the scaler saw it.
+    assert _weights(Accumulation(3, scaled=True), [12, 12, 1]) == [1.0, 1.0, 1 / 12, 12 / 25]
+
+
+def test_counts_a_user_gives_are_weighed_against_the_first_and_summed_at_the_end() -> None:
+    # Tokens are known only as the micro-batches come: N is learnt on the last one.
+    got = _weights(Accumulation(3), [12, 12, 1], counts=[40, 20, 0])
+    assert got == [1.0, 0.5, 0.0, 40 / 60]

@@ -236,7 +236,7 @@ def weighted_allreduce(
     weight = state.weight()
     if weight == 0.0:
         buffer.zero_()  # an empty share: a loss over no sample may read nan, its gradient is 0
-    else:
+    elif weight != 1.0:  # 1: the loss carried the whole weight
         buffer.mul_(weight)
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
     assert work is not None

@@ -11,13 +11,15 @@ mean over its own ``n_k`` items, is weighted so that the step's gradient is the 
     gradient = sum over ranks r, micro-batches k of (n_rk / N) * grad(mean loss_rk)
 
 which is what one process computes on the whole global batch. The weight is applied in two
-factors, so that no rank needs ``N`` before its last micro-batch: the loss of micro-batch k is
-multiplied by ``n_k / m`` (``m``: this rank's first non-zero count in the window, so a loss keeps
-its usual size, which matters under fp16 loss scaling), and the accumulated gradient by
-``m / N`` once, in the all-reduce of the last micro-batch (or on the gradients, for one
-process). ``N`` is the window's sample count, which the loader knows in advance; for counts the
-user gives (tokens), it is the sum of every rank's counts, one small all-reduce per optimizer
-step, made just before the last micro-batch's backward.
+factors, ``n_k / r`` on the loss of micro-batch k and ``r / N`` once on the accumulated
+gradient, in the all-reduce of the last micro-batch (or on the gradients, for one process). The
+reference ``r`` is ``N`` itself where it is known before the first backward (samples counted by
+the loader, which knows the window's size in advance): the loss then carries the whole weight,
+as ``loss / K`` does in a hand-written loop, and the gradients are not touched again. Under fp16
+loss scaling, and for counts the user gives (tokens, whose ``N`` is the sum of every rank's
+counts: one small all-reduce per optimizer step, made just before the last micro-batch's
+backward), ``r`` is this rank's first non-zero count in the window instead, so that no rank needs
+``N`` early and a loss keeps its usual size (a small loss underflows in fp16).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Accumulation:
     calls itself, K per window, every micro-batch weighing one item unless a count is given.
     """
 
-    def __init__(self, steps: int, *, distributed: bool = False) -> None:
+    def __init__(self, steps: int, *, distributed: bool = False, scaled: bool = False) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidArgumentError(
                 f"accumulate={steps!r} is not a number of micro-batches per optimizer step.",
@@ -65,6 +67,7 @@ class Accumulation:
             )
         self.steps = steps
         self.distributed = distributed
+        self.scaled = scaled
         self.index = -1
         self.length = steps
         self.samples: int | None = None
@@ -115,7 +118,8 @@ class Accumulation:
         if n == 0:
             return 0.0
         if self.reference is None:
-            self.reference = n
+            known = self.window_samples if count is None and not self.scaled else None
+            self.reference = known or n
         return n / self.reference
 
     def settle(self) -> None:

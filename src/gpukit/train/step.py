@@ -55,11 +55,13 @@ class TrainStep:
         self.model = model
         self.optimizer = optimizer
         self.precision = precision
-        self.accumulation = Accumulation(accumulate, distributed=distributed)
         self.scaler = (
             LossScaler(precision.device_type)
             if precision is not None and precision.scaled
             else None
+        )
+        self.accumulation = Accumulation(
+            accumulate, distributed=distributed, scaled=self.scaler is not None
         )
         self.hooked = hooked
         self.optimizer_steps = 0
