@@ -108,6 +108,8 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_loader_position.py",
         "tests/train/test_accumulate.py",
     ],
+    # The weights of exact accumulation; the in-process exactness cases are in test_accumulate.py.
+    "gpukit.train.accumulate": ["tests/train/test_accumulate.py"],
     "gpukit.distributed.batch_sizes": [
         "tests/distributed/test_distributed.py",
         "tests/distributed/test_distributed_loader_rules.py",
