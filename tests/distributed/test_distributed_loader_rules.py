@@ -8,7 +8,10 @@ The tests at the end run in a real two-process gloo group whose rank 0 is this p
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -34,6 +37,7 @@ from gpukit.distributed.data import (
     weighted_allreduce,
 )
 from gpukit.errors import InvalidArgumentError
+from tests.helpers import subprocess_env
 from tests.helpers.two_processes import OtherRank, two_processes
 
 CPU = torch.device("cpu")
@@ -364,3 +368,24 @@ class TestInAGroupOfTwoProcesses:
         other_rank.run(gathered, 5)
         here = gathered(0, 5)
         assert (here, other_rank.result()) == ([[0, 1, 2, 3], [4]],) * 2
+
+
+# -- forked workers and this process's garbage ---------------------------------------------------
+
+
+def test_forked_workers_never_collect_a_process_group_this_process_left_as_garbage(
+    tmp_path: Path,
+) -> None:
+    # Destroying a group's C++ object in a worker, which has none of its threads, hangs the
+    # worker (or aborts it); the loader collects this process's garbage before it forks.
+    script = Path(__file__).parent / "scripts" / "loader_after_a_group.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["4"]

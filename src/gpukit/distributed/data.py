@@ -23,6 +23,8 @@ hook then applies the step's gradient weight (see :mod:`gpukit.train.accumulate`
 
 from __future__ import annotations
 
+import gc
+import multiprocessing as mp
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -252,6 +254,17 @@ weighted_allreduce.__annotations__ = {
 }
 
 
+def _forks_workers(loader: DataLoader[Any]) -> bool:
+    """Whether iterating ``loader`` now starts worker processes by forking this one."""
+    if loader.num_workers == 0:
+        return False
+    if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
+        return False  # its workers are already running
+    context = loader.multiprocessing_context
+    method = context.get_start_method() if context is not None else mp.get_start_method()
+    return method == "fork"
+
+
 class DistributedLoader:
     """A DataLoader over this process's share of each global batch, moved to its device.
 
@@ -399,6 +412,12 @@ class DistributedLoader:
         _ACTIVE.append(self)
         if self.train_step is not None:
             feeding(self.train_step)
+        if _forks_workers(self.loader):
+            # A worker forked now would inherit this process's uncollected garbage, and a
+            # collection in it would destroy a C++ object of this process (a process group
+            # left in a reference cycle) whose threads the worker does not have: the worker
+            # hangs or aborts. Collected here, where those threads run.
+            gc.collect()
         try:
             for step, batch in enumerate(self.loader):
                 self.current_global_len = sizes[before + step]
