@@ -108,8 +108,12 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_loader_position.py",
         "tests/train/test_accumulate.py",
     ],
-    # The weights of exact accumulation; the in-process exactness cases are in test_accumulate.py.
-    "gpukit.train.accumulate": ["tests/train/test_accumulate.py"],
+    # The weights of exact accumulation: in one process, then with this process as rank 0 of two
+    # (the token count's all-reduce).
+    "gpukit.train.accumulate": [
+        "tests/train/test_accumulate.py",
+        "tests/train/test_accumulate_two_processes.py",
+    ],
     "gpukit.distributed.batch_sizes": [
         "tests/distributed/test_distributed.py",
         "tests/distributed/test_distributed_loader_rules.py",

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from gpukit import distributed as dist
 from gpukit.errors import InvalidArgumentError
 from gpukit.train import AccumulationPlan, TrainStep, plan_accumulation
-from gpukit.train.accumulate import Accumulation
+from gpukit.train.accumulate import Accumulation, check_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import accumulate_workloads as work
@@ -177,12 +177,20 @@ def test_a_count_that_is_not_a_number_of_items_is_refused() -> None:
 def test_a_plan_uses_the_largest_micro_batch_that_fits_and_divides_the_share(
     global_batch: int, largest: int, world: int, plan: tuple[int, int]
 ) -> None:
-    assert plan_accumulation(global_batch, largest, world) == AccumulationPlan(*plan)
+    found = plan_accumulation(global_batch, largest, world)
+    assert found == AccumulationPlan(*plan)
+    assert type(found.micro_batch_size) is int
+    assert type(found.steps) is int
+
+
+def test_a_share_with_no_divisor_that_fits_is_cut_into_single_samples() -> None:
+    assert plan_accumulation(7, 3) == AccumulationPlan(1, 7)
 
 
 def test_a_plan_for_a_global_batch_that_does_not_split_over_the_processes_is_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="cannot be split evenly over 4"):
+    with pytest.raises(InvalidArgumentError, match="cannot be split evenly over 4") as raised:
         plan_accumulation(10, 2, 4)
+    assert raised.value.hint == "Use a multiple of 4."
 
 
 def _weights(acc: Accumulation, samples: list[int], counts: list[int] | None = None) -> list[float]:
@@ -211,3 +219,64 @@ def test_counts_a_user_gives_are_weighed_against_the_first_and_summed_at_the_end
     # Tokens are known only as the micro-batches come: N is learnt on the last one.
     got = _weights(Accumulation(3), [12, 12, 1], counts=[40, 20, 0])
     assert got == [1.0, 0.5, 0.0, 40 / 60]
+
+
+def test_a_rank_whose_micro_batches_were_all_empty_adds_nothing_to_the_step() -> None:
+    # Its losses read nan (the mean of nothing): its gradient must weigh 0, not 1, while the
+    # other ranks' 5 samples make the step.
+    acc = Accumulation(2, distributed=True)
+    weights = []
+    for k in range(2):
+        acc.begin(k, 2, 0, 5)
+        weights.append(acc.loss_weight(None))
+    acc.settle()
+    assert [*weights, acc.gradient_weight()] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5, True, "2"])
+def test_a_number_of_micro_batches_that_is_not_a_whole_number_from_1_is_refused(
+    steps: object,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"accumulate={steps!r} is not") as raised:
+        Accumulation(steps)  # type: ignore[arg-type]
+    assert raised.value.hint == "Pass a whole number, 1 or more (1: no accumulation)."
+
+
+@pytest.mark.parametrize("count", [True, 2.0, -1, torch.tensor(2.0), torch.tensor([1, 2])])
+def test_a_count_is_a_whole_number_of_items_and_the_refusal_shows_how_to_count_tokens(
+    count: object,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="is not a number of items") as raised:
+        check_count(count)
+    assert raised.value.hint is not None
+    assert "count=(labels != -100).sum()" in raised.value.hint
+
+
+def test_a_count_may_be_a_whole_number_tensor_of_one_value() -> None:
+    assert check_count(torch.tensor(7)) == 7
+
+
+def test_an_accumulation_state_of_another_k_is_refused_with_what_to_resume_with() -> None:
+    with pytest.raises(InvalidArgumentError, match="saved with accumulate=2") as raised:
+        Accumulation(3).load_state_dict(Accumulation(2).state_dict())
+    assert raised.value.hint == "Resume with the accumulate= the state was saved with."
+
+
+@pytest.mark.parametrize(
+    ("sizes", "named"),
+    [
+        ((0, 8, 1), "global_batch_size"),
+        ((8, 1.5, 1), "largest_micro_batch"),
+        ((8, 8, 0), "world_size"),
+    ],
+)
+def test_a_plan_names_the_size_that_is_not_a_positive_whole_number(
+    sizes: tuple[object, object, object], named: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"^{named}=") as raised:
+        plan_accumulation(*sizes)  # type: ignore[arg-type]
+    assert raised.value.hint == "Pass sizes as ints, 1 or more."
+
+
+def test_a_plan_is_for_one_process_unless_told() -> None:
+    assert plan_accumulation(12, 5) == AccumulationPlan(4, 3)
