@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -56,21 +57,27 @@ def _generation_in(path: Path) -> int:
     return generation
 
 
-@pytest.mark.slow
-def test_killing_a_save_at_random_moments_leaves_the_old_or_the_new_file_whole(tmp_path: Path):
-    target = tmp_path / "ckpt.pt"
-    gk.save({"generation": torch.tensor(0), "w": torch.zeros(_ELEMENTS)}, target)
+def _kill_saves_at_random_moments(
+    tmp_path: Path,
+    target: Path,
+    save_forever: Callable[..., None],
+    generation_in: Callable[[Path], int],
+    seed: int,
+    longest_pause: float,
+) -> None:
+    """Kill a child saving ``target`` over and over at 25 random moments; after each kill the
+    target must hold the last save the child finished or the one it was writing, whole."""
     on_disk = 0
     context = multiprocessing.get_context("fork")
-    rng = random.Random(1234)
+    rng = random.Random(seed)
     kills_mid_write = 0
     for round_ in range(1, 26):
         receiver, sender = context.Pipe(duplex=False)
         first = round_ * 10_000  # exact in float32
-        child = context.Process(target=_save_forever, args=(str(target), first, sender))
+        child = context.Process(target=save_forever, args=(str(target), first, sender))
         child.start()
         assert receiver.recv() == "started"
-        time.sleep(rng.uniform(0.0, 0.12))
+        time.sleep(rng.uniform(0.0, longest_pause))
         os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
         child.join()
         finished = _drain(receiver)
@@ -79,9 +86,16 @@ def test_killing_a_save_at_random_moments_leaves_the_old_or_the_new_file_whole(t
         assert len(leftovers) <= 1  # each save clears what dead savers left
         last_done = finished[-1] if finished else on_disk
         next_one = finished[-1] + 1 if finished else first
-        on_disk = _generation_in(target)
+        on_disk = generation_in(target)
         assert on_disk in (last_done, next_one)
     assert kills_mid_write > 0  # the kills did land inside saves
+
+
+@pytest.mark.slow
+def test_killing_a_save_at_random_moments_leaves_the_old_or_the_new_file_whole(tmp_path: Path):
+    target = tmp_path / "ckpt.pt"
+    gk.save({"generation": torch.tensor(0), "w": torch.zeros(_ELEMENTS)}, target)
+    _kill_saves_at_random_moments(tmp_path, target, _save_forever, _generation_in, 1234, 0.12)
     gk.save({"generation": torch.tensor(-1), "w": torch.full((_ELEMENTS,), -1.0)}, target)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
@@ -157,27 +171,8 @@ def test_killing_a_folder_save_at_random_moments_leaves_the_old_or_the_new_folde
 ):
     target = tmp_path / "weights"
     gk.save({f"w{i}": torch.zeros(_ELEMENTS // _PARTS) for i in range(_PARTS)}, target)
-    on_disk = 0
-    context = multiprocessing.get_context("fork")
-    rng = random.Random(4321)
-    kills_mid_write = 0
-    for round_ in range(1, 26):
-        receiver, sender = context.Pipe(duplex=False)
-        first = round_ * 10_000
-        child = context.Process(target=_save_folder_forever, args=(str(target), first, sender))
-        child.start()
-        assert receiver.recv() == "started"
-        time.sleep(rng.uniform(0.0, 0.15))
-        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        child.join()
-        finished = _drain(receiver)
-        leftovers = _temporaries(tmp_path)
-        kills_mid_write += bool(leftovers)
-        assert len(leftovers) <= 1  # each save clears what dead savers left
-        last_done = finished[-1] if finished else on_disk
-        next_one = finished[-1] + 1 if finished else first
-        on_disk = _generation_in_folder(target)
-        assert on_disk in (last_done, next_one)
-    assert kills_mid_write > 0
+    _kill_saves_at_random_moments(
+        tmp_path, target, _save_folder_forever, _generation_in_folder, 4321, 0.15
+    )
     gk.save({"w0": torch.ones(2)}, target)
     assert [p.name for p in tmp_path.iterdir()] == ["weights"]
