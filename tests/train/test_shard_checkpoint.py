@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import gpukit as gk
 from gpukit.checkpoint.dcp import open_dcp
+from gpukit.checkpoint.digests import digest
 from gpukit.train import saves
 from tests.helpers.two_processes import OtherRank, two_processes
 from tests.train import shard_workloads as work
@@ -324,6 +325,10 @@ def test_a_save_whose_shard_metadata_is_damaged_is_refused_on_every_rank(
     metadata = save / "sharded" / ".metadata"
     hostile = b"\x80\x04cos\nsystem\n"  # a pickle that names os.system, the same size
     metadata.write_bytes(hostile + b"\0" * (metadata.stat().st_size - len(hostile)))
+    # Its digest rewritten too (by whoever can write the save): the reader must refuse it still.
+    marker = json.loads((save / saves.MARKER).read_text())
+    marker["digests"]["sharded/.metadata"] = digest(metadata)
+    (save / saves.MARKER).write_text(json.dumps(marker))
     mine, theirs = _both(other_rank, work.resume_error, str(save.parent))
     assert str(mine).startswith("CheckpointError: ")
     assert "is not plain DCP metadata: refused global os.system" in str(mine)

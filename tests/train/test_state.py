@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import gpukit as gk
+from gpukit.checkpoint.digests import digest
 from gpukit.errors import CheckpointError, InvalidArgumentError
 from gpukit.train import TrainingState, saves
 
@@ -213,6 +214,7 @@ def test_a_marker_naming_other_files_as_the_sharded_part_makes_the_save_passed_o
     for name in names:
         (newest / name).write_bytes(b"")
         marker["files"][name] = 0
+        marker["digests"][name] = "0" * 32
     (newest / saves.MARKER).write_text(json.dumps(marker))
     with _state(tmp_path, _model()) as state:
         resumed = state.resume()
@@ -230,6 +232,7 @@ def test_a_sharded_part_replaced_by_a_link_to_a_folder_is_not_followed(tmp_path:
     (only / "sharded").symlink_to(elsewhere)
     marker = json.loads((only / saves.MARKER).read_text())
     marker["files"]["sharded/.metadata"] = 0
+    marker["digests"]["sharded/.metadata"] = "0" * 32
     (only / saves.MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="sharded is not a folder"):
         saves.check(only)
@@ -272,7 +275,7 @@ def test_a_save_that_fails_raises_and_leaves_the_previous_complete_save(
         state.step = 10
         monkeypatch.setattr(torch, "save", full)
         state.save()
-        with pytest.raises(CheckpointError, match="No space left"):
+        with pytest.raises(CheckpointError, match="no space left on the device"):
             state.wait()
         monkeypatch.undo()
         assert [saves.check(p).step for p in tmp_path.iterdir()] == [5]  # nothing half-written
@@ -318,6 +321,7 @@ def test_random_streams_changed_in_a_save_are_refused(tmp_path: Path) -> None:
     size = own.stat().st_size
     found = json.loads((only / saves.MARKER).read_text())
     found["files"][saves.rank_file(0)] = size
+    found["digests"][saves.rank_file(0)] = digest(own)
     (only / saves.MARKER).write_text(json.dumps(found))
     with _state(tmp_path, _model()) as state, pytest.raises(CheckpointError, match="random"):
         state.resume()

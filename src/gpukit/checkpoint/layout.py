@@ -24,6 +24,7 @@ import torch
 from gpukit import untrusted
 from gpukit.checkpoint.accelerate_state import is_accelerate_state, open_accelerate_state
 from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder, open_dcp
+from gpukit.checkpoint.digests import SHARED, is_save_folder, verified_save
 from gpukit.checkpoint.paths import check_input, check_inside, open_content
 from gpukit.checkpoint.sharded import INDEX_LIMIT, INDEX_NAMES, open_index
 from gpukit.checkpoint.single_file import SAFETENSORS, TORCH, file_format
@@ -119,8 +120,21 @@ def _single_file(
     return read_file(folder / singles[0], target=target, trust=trust, folder=folder)
 
 
+def _training_save(
+    folder: Path, names: list[str], target: torch.device | None, trust: bool
+) -> Source | None:
+    """A save of gk.TrainingState: its digests verified, then the sharded part (a DCP folder)
+    or the shared part, whose ``"model"`` entry holds the weights."""
+    if not is_save_folder(names):
+        return None
+    sums = verified_save(folder)
+    if any(name.startswith("sharded/") for name in sums):
+        return open_dcp(folder / "sharded")
+    return read_file(folder / SHARED, target=target, trust=trust, folder=folder)
+
+
 # Tried in this order: the first kind that recognises the folder opens it.
-_FOLDER_KINDS: tuple[_Opener, ...] = (_dcp, _sharded, _accelerate, _single_file)
+_FOLDER_KINDS: tuple[_Opener, ...] = (_training_save, _dcp, _sharded, _accelerate, _single_file)
 
 
 def _folder(folder: Path, target: torch.device | None, trust: bool) -> Source:

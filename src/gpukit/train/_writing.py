@@ -4,13 +4,17 @@ Run by the training state's background thread (or inline for a blocking save). E
 its shards of a sharded model (DCP, into ``sharded/``), then its files, then all ranks meet (an
 all-reduce of "my part is on disk" in the saves' own gloo group, where DCP meets too, so that a
 rank whose write failed does not leave the others waiting); only when all parts are there does
-rank 0 mark the save complete and remove the saves beyond ``keep``. A failed save is removed,
-and the error raised to whoever waits for the save.
+rank 0 mark the save complete and remove the saves beyond ``keep``. Each rank digests the files
+it wrote, after their fsync, and the digests reach rank 0 in that same meeting (a gather), for
+the marker. A failed save is removed, and the error raised to whoever waits for the save; a full
+disk is said to be one. Removing older saves never fails a save that is complete: what cannot be
+removed is logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +24,13 @@ import torch.distributed as dist
 
 import gpukit.train._sharded_part as _sharded_part
 import gpukit.train.saves as saves
+from gpukit.checkpoint.digests import digest
+from gpukit.checkpoint.paths import fs_error
 from gpukit.errors import CheckpointError
 
 __all__ = ["SaveJob"]
+
+log = logging.getLogger("gpukit.train")
 
 
 @dataclass
@@ -50,35 +58,64 @@ class SaveJob:
             except BaseException as exc:  # every rank has it: DCP told them all
                 failure = exc
             self.sharded = None
+        digests: dict[str, str] = {}
         try:
             if failure is None:
                 self._write_files()
+                digests = self._digests()
         except BaseException as exc:  # reported after all ranks know, so none waits forever
             failure = exc
         self.shared = None  # the host copies are not needed any more
         if self.world > 1:
-            ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int64)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-            if failure is None and int(ok.item()) == 0:
-                failure = CheckpointError(
-                    f"The save {self.folder} failed on another rank.",
-                    hint="See that rank's error; the previous complete save is still there.",
-                )
+            failure, digests = self._meet(failure, digests)
+        if failure is None and self.rank == 0:
+            try:
+                saves.finish(self.folder, step=self.step, world_size=self.world, digests=digests)
+            except BaseException as exc:
+                failure = exc
         if failure is not None:
             if self.rank == 0:
                 with contextlib.suppress(OSError):
                     saves.remove(self.folder)  # nothing half-written is left behind
             if isinstance(failure, OSError):
-                raise CheckpointError(
-                    f"Cannot write the save {self.folder}: {failure.strerror}.",
-                    hint="Free space or fix the folder's permissions; the previous complete "
-                    "save is still there.",
-                ) from failure
+                raise fs_error(self.folder, failure, "write the save") from failure
             raise failure
         if self.rank == 0:
-            saves.finish(self.folder, step=self.step, world_size=self.world)
-            saves.prune(self.folder.parent, keep=self.keep, current=self.folder)
+            try:
+                saves.prune(self.folder.parent, keep=self.keep, current=self.folder)
+            except Exception as exc:  # the save is complete: an old one left is only a warning
+                log.warning("could not remove the saves older than %s: %s", self.folder, exc)
         return self.folder
+
+    def _digests(self) -> dict[str, str]:
+        """The digest of each file this rank wrote (already fsynced)."""
+        return {
+            name: digest(self.folder / name)
+            for name in saves.own_files(self.folder, self.rank)
+        }
+
+    def _meet(
+        self, failure: BaseException | None, digests: dict[str, str]
+    ) -> tuple[BaseException | None, dict[str, str]]:
+        """Every rank says whether its part is on disk, and rank 0 gets every rank's digests:
+        one gather in the saves' group, then rank 0's verdict broadcast, so that no rank
+        waits forever for one whose write failed."""
+        mine = (failure is None, digests if failure is None else {})
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self.group)
+        ok = torch.tensor([1 if failure is None else 0], dtype=torch.int64)
+        every: dict[str, str] = {}
+        if gathered is not None:
+            for done, sums in gathered:
+                ok[0] = ok[0] if done else 0
+                every.update(sums)
+        dist.broadcast(ok, src=0, group=self.group)
+        if failure is None and int(ok.item()) == 0:
+            failure = CheckpointError(
+                f"The save {self.folder} failed on another rank.",
+                hint="See that rank's error; the previous complete save is still there.",
+            )
+        return failure, every
 
     def _write_files(self) -> None:
         if self.shared is not None:

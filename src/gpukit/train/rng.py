@@ -17,6 +17,8 @@ from gpukit.untrusted import InvalidInput, as_dict, as_int, as_list, as_str
 
 __all__ = ["capture", "restore"]
 
+_MT_WORDS = 624  # the words of MT19937's state; its position runs from 0 to 624
+
 
 def _numpy() -> Any:
     try:
@@ -120,16 +122,24 @@ def _numpy_state(value: object) -> tuple[Any, ...] | None:
     if np is None:
         return None  # saved where NumPy was installed; nothing here draws from it
     found = as_dict(value, what="NumPy's stream")
+    if as_str(found.get("kind"), limit=32, what="NumPy's generator") != "MT19937":
+        raise InvalidInput("NumPy's stream is not of the MT19937 generator")
     keys = found.get("keys")
-    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 1:
-        raise InvalidInput("NumPy's stream has malformed keys")
+    if (
+        not isinstance(keys, torch.Tensor)
+        or keys.dtype != torch.int64
+        or keys.shape != (_MT_WORDS,)
+        or bool(((keys < 0) | (keys > 0xFFFFFFFF)).any())
+    ):
+        raise InvalidInput(f"NumPy's stream has malformed keys (not {_MT_WORDS} 32-bit words)")
     cached = found.get("cached_gaussian")
     if type(cached) is not float:
         raise InvalidInput("NumPy's stream has a malformed cached gaussian")
     return (
-        as_str(found.get("kind"), limit=32, what="NumPy's generator"),
+        "MT19937",
         keys.numpy().astype(np.uint32),
-        as_int(found.get("pos"), high=1 << 16, what="NumPy's position"),
+        # NumPy does not check the position: past 624 its draws read outside the generator.
+        as_int(found.get("pos"), high=_MT_WORDS, what="NumPy's position"),
         as_int(found.get("has_gauss"), high=1, what="NumPy's gaussian flag"),
         cached,
     )

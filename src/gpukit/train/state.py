@@ -50,7 +50,9 @@ from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
 from gpukit.train._staging import Stager, check_plain, is_stateful
 from gpukit.train._writing import SaveJob
+from gpukit.train.contents import check_optimizer_state, check_scheduler_state
 from gpukit.train.shard import is_sharded
+from gpukit.untrusted import InvalidInput
 
 __all__ = ["Resumed", "TrainingState"]
 
@@ -58,6 +60,7 @@ log = logging.getLogger("gpukit.train")
 
 # The parts gathered by name, besides the model; each is optional.
 _SLOTS = ("optimizer", "scheduler", "scaler", "loader", "accumulation")
+_MAX_STEP = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class TrainingState:
             self.parts[name] = given[name]
         self.extras: dict[str, Any] = _checked_extras(extras, "extras")
         self.rank_extras: dict[str, Any] = _checked_extras(rank_extras, "rank_extras")
-        self.step = 0
+        self._step = 0
         self.keep = keep
         self.asynchronous = asynchronous
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpukit-save")
@@ -151,6 +154,26 @@ class TrainingState:
         self._count = 0
         self._stagers = (Stager(), Stager())  # the shared part, this rank's own
         self._shard_stager: Any = None  # torch's, made at the first save of a sharded model
+
+    @property
+    def step(self) -> int:
+        """The step the state is at: saved with it, set back by :meth:`resume`.
+
+        Raises:
+            InvalidArgumentError: (on assignment) not a whole number from 0 to 2**63 - 1: a
+                save at any other step could never be found again by :meth:`resume`.
+        """
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if type(value) is not int or not 0 <= value <= _MAX_STEP:
+            raise InvalidArgumentError(
+                f"TrainingState.step = {value!r} is not a step: a whole number from 0 to "
+                f"{_MAX_STEP} (a save at any other step could not be resumed).",
+                hint="Count optimizer steps with an int: state.step += 1 after each.",
+            )
+        self._step = value
 
     # --- gathering -------------------------------------------------------------------------
 
@@ -194,9 +217,11 @@ class TrainingState:
         :meth:`wait` returns (or the next ``save``).
 
         Raises:
-            CheckpointError: the previous asynchronous save failed, or this one did (blocking).
+            CheckpointError: the previous asynchronous save failed, or this one did (blocking);
+                or the folder fails the trust model (another user's, or anyone may write it).
         """
         self.wait()
+        saves.check_root(self.folder)
         rank, world = _rank_and_world()
         if not self._token:
             self._start_run(rank, world)
@@ -279,14 +304,21 @@ class TrainingState:
         ranks take the same one. A rank beyond the saved world size takes the random streams of
         rank ``rank % saved_world_size``.
 
+        Saves of other users (root's excepted) are passed over, and so are saves whose files
+        do not match the digests written with them: a damaged newest save falls back to the
+        newest intact one. What each part holds is checked against the live object before its
+        own ``load_state_dict`` sees it.
+
         Raises:
-            CheckpointError: the chosen save does not fit these objects (another model), or a
-                file of it cannot be read.
+            CheckpointError: the chosen save does not fit these objects (another model, another
+                optimizer), a file of it cannot be read, or the folder fails the trust model
+                (another user's, or anyone may write it).
         """
         self.wait()
         root = self.folder if folder is None else Path(folder)
         rank, world = _rank_and_world()
-        info, passed = saves.newest(root) if rank == 0 else (None, [])
+        # Rank 0 chooses, reading the chosen save's two files while their digests are checked.
+        info, passed, read = saves.newest_read(root, _read_parts) if rank == 0 else (None, [], None)
         if world > 1:
             if not self._token:
                 self._start_run(rank, world)
@@ -294,8 +326,7 @@ class TrainingState:
         if info is None:
             log.info("no complete save in %s: starting from step 0", root)
             return None
-        shared = saves.load_part(info.path, saves.SHARED)
-        own = saves.load_part(info.path, saves.rank_file(rank % info.world_size))
+        shared, own = read if read is not None else _read_parts(info, rank)
         self._load_shared(shared, info)
         if not isinstance(own, dict) or "rng" not in own:
             raise _malformed(info.path / saves.rank_file(rank % info.world_size), "rng")
@@ -332,7 +363,14 @@ class TrainingState:
                     hint=f"Resume without a {name}, or from a save of a run that had one.",
                 )
             try:
+                _check_part(name, shared[name], part)
                 part.load_state_dict(shared[name])
+            except InvalidInput as exc:
+                raise CheckpointError(
+                    f"{path / saves.SHARED} holds a {name} state that this {name} cannot take: "
+                    f"{exc}.",
+                    hint=f"Resume with the {name} the run saved (same kind, same parameters).",
+                ) from None
             except GpukitError:
                 raise
             except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
@@ -356,15 +394,37 @@ class TrainingState:
         try:
             if is_sharded(inner):  # an unsharded run's save: each rank keeps its rows
                 state = shared.get("optimizer") if optimizer is not None else None
+                if state is not None:
+                    _check_part("optimizer", state, optimizer)
                 _sharded_part.load_whole(inner, optimizer, shared["model"], state)
                 return {"model", "optimizer"} if state is not None else {"model"}
             inner.load_state_dict(shared["model"])
+        except InvalidInput as exc:
+            raise CheckpointError(
+                f"{path / saves.SHARED} holds an optimizer state that this optimizer cannot "
+                f"take: {exc}.",
+                hint="Resume with the optimizer the run saved (same kind, same parameters).",
+            ) from None
         except (KeyError, RuntimeError, TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"{path} holds another model's weights: {str(exc).splitlines()[0]}",
                 hint="Resume with the model the run saved, or start in another folder.",
             ) from None
         return {"model"}
+
+
+def _read_parts(info: saves.SaveInfo, rank: int = 0) -> tuple[Any, Any]:
+    """The shared part of a save and ``rank``'s own, read as data (nothing loaded yet)."""
+    shared = saves.load_part(info.path, saves.SHARED)
+    return shared, saves.load_part(info.path, saves.rank_file(rank % info.world_size))
+
+
+def _check_part(name: str, saved: object, part: Any) -> None:
+    """Check a saved part by structure against the live object, before its loader sees it."""
+    if name == "optimizer" and isinstance(part, torch.optim.Optimizer):
+        check_optimizer_state(saved, part)
+    elif name == "scheduler" and isinstance(part, torch.optim.lr_scheduler.LRScheduler):
+        check_scheduler_state(saved, part)
 
 
 def _agree(info: saves.SaveInfo | None, root: Path, group: Any) -> saves.SaveInfo | None:
