@@ -102,8 +102,15 @@ class _WriteBehind(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
+    error: OSError | None = None
+    """The error the file raised, kept: serializers (torch.save) report it as their own."""
+
     def write(self, data: Any) -> int:
-        n: int = self._handle.write(data)
+        try:
+            n: int = self._handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
         self._written += n
         if self._written - self._started >= self._EVERY:
             self._handle.flush()
@@ -122,6 +129,27 @@ class _WriteBehind(io.RawIOBase):
 _DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 
 
+def _write_through(handle: BinaryIO, write: Callable[[BinaryIO], object]) -> None:
+    """Run ``write`` on ``handle`` (through :class:`_WriteBehind` where the system has it).
+
+    An ``OSError`` of the file (a full disk, a quota) that the serializer turned into its own
+    error (torch.save's ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``)
+    is raised as the ``OSError`` it was, so that callers can say what happened.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        write(handle)
+        return
+    behind = _WriteBehind(handle)
+    try:
+        write(behind)  # type: ignore[arg-type]
+    except OSError:
+        raise
+    except Exception as exc:
+        if behind.error is None:
+            raise
+        raise behind.error from exc
+
+
 def atomic_write(target: Path, write: Callable[[BinaryIO, Path], None]) -> None:
     """Run ``write`` on a temporary file next to ``target``, then put it in place atomically.
 
@@ -138,10 +166,7 @@ def atomic_write(target: Path, write: Callable[[BinaryIO, Path], None]) -> None:
     tmp, fd = _create_temp(target)
     try:
         with os.fdopen(fd, "wb") as handle:
-            if hasattr(os, "posix_fadvise"):
-                write(_WriteBehind(handle), tmp)  # type: ignore[arg-type]
-            else:
-                write(handle, tmp)
+            _write_through(handle, lambda out: write(out, tmp))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -156,7 +181,7 @@ def write_durable(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Create ``path`` (which must not exist), write it with ``write`` and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     with os.fdopen(fd, "wb") as handle:
-        write(_WriteBehind(handle) if hasattr(os, "posix_fadvise") else handle)  # type: ignore[arg-type]
+        _write_through(handle, write)
         handle.flush()
         os.fsync(handle.fileno())
 
