@@ -106,13 +106,17 @@ class Accumulation:
         return self.index == self.length - 1
 
     def loss_weight(self, count: object | None) -> float:
-        """Record this micro-batch's count and return the factor for its (mean) loss."""
+        """Record this micro-batch's count and return the factor for its (mean) loss.
+
+        Raises:
+            InvalidArgumentError: ``count`` is not a whole number of items; nothing is counted.
+        """
+        n = None if count is None else check_count(count)  # before the micro-batch is counted
         if not self._fed:
             self._advance_alone()
-        if count is None:
+        if n is None:
             n = self.samples if self.samples is not None else 1
         else:
-            n = check_count(count)
             self.user_counts = True
         self.local_total += n
         if n == 0:

@@ -17,6 +17,8 @@ then ``train_step(loss)`` per micro-batch (each weighing one item unless ``count
 
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import Any
 
 import torch
@@ -115,9 +117,15 @@ class TrainStep:
         ``clip_grad_norm``: clip the gradients' total norm to this, on true (unscaled) gradients.
         Returns True when the optimizer stepped: False on a micro-batch that only accumulated,
         and on a step skipped for inf/NaN fp16 gradients (do not advance an LR scheduler then).
+
+        Raises:
+            InvalidArgumentError: ``count`` is not a whole number of items, or
+                ``clip_grad_norm`` is not a finite number above 0; checked on every call, before
+                anything runs, so a refused call changes nothing.
         """
+        max_norm = _checked_clip_norm(clip_grad_norm)
         acc = self.accumulation
-        weight = acc.loss_weight(count)
+        weight = acc.loss_weight(count)  # checks the count before counting the micro-batch
         if acc.last:
             acc.settle()
         if acc.first:
@@ -131,10 +139,10 @@ class TrainStep:
             return False
         if not self.hooked:
             self._weigh_gradients(acc.gradient_weight())
-        if clip_grad_norm is not None:
+        if max_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self._parameters(), clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self._parameters(), max_norm)
         self._stepping = True
         try:
             if self.scaler is not None:
@@ -209,6 +217,52 @@ class TrainStep:
             self.scaler.load_state_dict(state["scaler"])
 
 
+def _checked_clip_norm(clip_grad_norm: object) -> float | None:
+    """The gradient norm to clip to, as a float; ``None`` (no clipping) stays ``None``.
+
+    A norm of 0 or below would turn each step around (a negative norm flips the gradients'
+    sign: descent becomes ascent), and NaN would write NaN into every weight, so only a finite
+    number above 0 is a norm.
+
+    >>> _checked_clip_norm(1), _checked_clip_norm(None)
+    (1.0, None)
+
+    Raises:
+        InvalidArgumentError: ``clip_grad_norm`` is not a real number (a bool, a string, a
+            tensor), is not finite, or is not above 0.
+    """
+    if clip_grad_norm is None:
+        return None
+    if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, Real):
+        raise InvalidArgumentError(
+            f"clip_grad_norm={clip_grad_norm!r} (a {type(clip_grad_norm).__name__}) is not a "
+            "number, so it cannot bound the gradients' norm.",
+            hint="Pass a number above 0, such as clip_grad_norm=1.0, or leave it out to not clip.",
+        )
+    try:
+        norm = float(clip_grad_norm)
+    except OverflowError:  # an int too large for a float: no finite norm either
+        norm = math.inf
+    if not math.isfinite(norm) or norm <= 0:
+        raise InvalidArgumentError(
+            f"clip_grad_norm={clip_grad_norm!r} is not a finite norm above 0: "
+            + _what_it_does(norm),
+            hint="Pass a number above 0, such as clip_grad_norm=1.0, or leave it out to not clip.",
+        )
+    return norm
+
+
+def _what_it_does(norm: float) -> str:
+    """What clipping to ``norm`` (not a finite number above 0) would do to the training."""
+    if math.isnan(norm):
+        return "it would write NaN into every weight."
+    if norm < 0:
+        return "it would flip every gradient, turning descent into ascent."
+    if norm == 0:
+        return "it would zero every gradient, so the steps would learn nothing."
+    return "it would never clip, which is what leaving it out does."
+
+
 def feeding(train_step: TrainStep) -> None:
     """Mark ``train_step`` as the one whose loader is being iterated (the loader calls this)."""
     _FEEDING.append(train_step)
@@ -234,7 +288,8 @@ def step(
     for ``count`` and ``clip_grad_norm``. Returns True when the optimizer stepped.
 
     Raises:
-        InvalidArgumentError: no loader prepared with an optimizer is being iterated.
+        InvalidArgumentError: no loader prepared with an optimizer is being iterated, or
+            ``count`` or ``clip_grad_norm`` is refused (see :meth:`TrainStep.__call__`).
     """
     current = current_step()
     if current is None:
