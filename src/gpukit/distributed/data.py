@@ -35,7 +35,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
-from gpukit.distributed.position import checked_position, worker_base
+from gpukit.distributed.position import checked_epoch, checked_position, checked_seed, worker_base
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.step import TrainStep, done_feeding, feeding
 from gpukit.transfer import to_device
@@ -89,7 +89,10 @@ class RankBatches(Sampler[list[int]]):
     """This rank's share of each global batch, as lists of dataset indices (maybe empty).
 
     ``set_epoch(e)`` chooses the shuffle: the order is ``torch.randperm`` seeded with
-    ``seed + e``, the same on every rank and for any world size.
+    ``seed + e``, the same on every rank and for any world size. The epoch's order is cut into
+    global batches from ``cut_from`` on: 0, or the sample a resume started at (the batches
+    before it may have had another size), so the rest of the epoch is cut the same way for
+    any global batch size.
     """
 
     def __init__(
@@ -110,14 +113,19 @@ class RankBatches(Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = checked_seed(seed)
         self.drop_last = drop_last
         self.epoch = 0
+        self.cut_from = 0
         self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the shuffle of ``epoch`` for the next pass."""
-        self.epoch = epoch
+        """Use the shuffle of ``epoch`` for the next pass.
+
+        Raises:
+            InvalidArgumentError: ``epoch`` is not a whole number from 0 to 2**63 - 1.
+        """
+        self.epoch = checked_epoch(epoch)
 
     def order(self) -> list[int]:
         """The dataset's order for this epoch, the same on every rank."""
@@ -131,15 +139,14 @@ class RankBatches(Sampler[list[int]]):
         """Every global batch of this epoch from ``start`` on (the last one shorter unless
         drop_last).
 
-        ``start`` counts samples of the epoch's order already consumed, so the rest is cut the
-        same for any world size. With a ``window`` of K micro-batches per step, drop_last drops
-        the last incomplete window, so every optimizer step sees a whole global batch.
+        ``start`` counts samples of the epoch's order already consumed (at least ``cut_from``,
+        and on a batch's boundary after it), so the rest is cut the same for any world size.
+        With a ``window`` of K micro-batches per step, drop_last drops the last incomplete
+        window, so every optimizer step sees a whole global batch.
         """
-        order, size = self.order(), self.global_batch_size
-        if self.drop_last:
-            whole = size * self.window
-            order = order[: len(order) // whole * whole]
-        order = order[self.start :]
+        size = self.global_batch_size
+        order = self.order()[self.cut_from : self.epoch_samples()]
+        order = order[self.start - self.cut_from :]
         return [order[i : i + size] for i in range(0, len(order), size)]
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -153,14 +160,16 @@ class RankBatches(Sampler[list[int]]):
         return full + (1 if rest else 0)
 
     def epoch_samples(self) -> int:
-        """How many samples of the order one whole epoch consumes (drop_last drops the tail)."""
+        """How many samples of the order one whole epoch consumes (drop_last drops the tail of
+        what follows ``cut_from``: less than one whole window)."""
         if self.drop_last:
-            return self.dataset_len - self.dataset_len % (self.global_batch_size * self.window)
+            rest = self.dataset_len - self.cut_from
+            return self.dataset_len - rest % (self.global_batch_size * self.window)
         return self.dataset_len
 
 
 def _batches_before(sizes: list[int], consumed: int) -> int:
-    """How many of an epoch's global batches of ``sizes`` the first ``consumed`` samples fill.
+    """How many of the global batches of ``sizes`` the first ``consumed`` of their samples fill.
 
     >>> _batches_before([4, 4, 2], 8), _batches_before([4, 4, 2], 0)
     (2, 0)
@@ -275,6 +284,10 @@ class DistributedLoader:
     a state saved after the loop has left it resumes where the loop stopped.
     ``batch_size`` is per process and micro-batch; ``global_batch_size`` is what one optimizer
     step sees over all processes and its ``accumulate`` micro-batches.
+
+    Raises:
+        InvalidArgumentError: the loader has a custom batch sampler or sampler, or ``seed`` is
+            not a whole number from 0 to 2**63 - 1.
     """
 
     def __init__(
@@ -342,13 +355,17 @@ class DistributedLoader:
 
         Setting the epoch the loader is already in keeps its position inside that epoch (after
         :meth:`load_state_dict`, or a pass left early); another epoch starts at its beginning.
+
+        Raises:
+            InvalidArgumentError: ``epoch`` is not a whole number from 0 to 2**63 - 1; the
+                loader's position is left as it was.
         """
+        epoch = checked_epoch(epoch)
         if self._in_pass:
             self._next_epoch = epoch  # chooses the next pass; this one keeps its position
             return
         if epoch != self._epoch:
-            self._consumed = 0
-        self._epoch = epoch
+            self._start_epoch(epoch)
 
     @property
     def epoch(self) -> int:
@@ -380,8 +397,10 @@ class DistributedLoader:
         Index arithmetic, not replay: resuming at batch 10,000 costs what batch 10 costs.
 
         Raises:
-            InvalidArgumentError: the state is not a loader's, or it describes another
-                dataset length, seed or shuffle than this loader's.
+            InvalidArgumentError: the state is not a loader's (a field that is not a whole
+                number, an epoch or seed above 2**63 - 1, more samples consumed than the
+                dataset holds), or it describes another dataset length, seed or shuffle than
+                this loader's; the loader's position is left as it was.
         """
         checked_position(
             state,
@@ -389,8 +408,15 @@ class DistributedLoader:
             shuffle=self.sampler.shuffle,
             dataset_len=self.sampler.dataset_len,
         )  # checked before anything changes
+        # The saved run may have cut its batches at another size (another number of processes
+        # under per_device_batch_size): the rest of the epoch is cut from the saved position.
         self._epoch = int(state["epoch"])
-        self._consumed = int(state["consumed"])
+        self._consumed = self.sampler.cut_from = int(state["consumed"])
+
+    def _start_epoch(self, epoch: int) -> None:
+        """Place the loader at the start of ``epoch``, cut into batches from its first sample."""
+        self._epoch, self._consumed = epoch, 0
+        self.sampler.cut_from = 0
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -398,11 +424,13 @@ class DistributedLoader:
     def __iter__(self) -> Iterator[Any]:
         epoch = self._epoch
         self.sampler.set_epoch(epoch)
-        # Every global batch's size over the whole epoch, and how many of them were consumed
-        # before this pass (a resume, or a pass left early): index arithmetic, no replay.
-        self.sampler.start = 0
+        # Every global batch's size from where the epoch's cut begins (its start, or the sample
+        # a resume started at), and how many of them were consumed before this pass (a pass left
+        # early): index arithmetic, no replay. The optimizer steps' windows count from there.
+        cut_from = self.sampler.cut_from
+        self.sampler.start = cut_from
         sizes = [len(b) for b in self.sampler.global_batches()]
-        before = _batches_before(sizes, self._consumed)
+        before = _batches_before(sizes, self._consumed - cut_from)
         self.sampler.start = self._consumed  # mid-epoch: only the rest of the epoch's order
         self._worker_seeds.manual_seed(worker_base(self.sampler.seed, epoch, self.rank))
         self._in_pass, self._next_epoch = True, None
@@ -434,9 +462,9 @@ class DistributedLoader:
             self.sampler.start = 0
             self._in_pass = False
             if (chosen := self._chosen_next()) is not None:
-                self._epoch, self._consumed = chosen, 0
+                self._start_epoch(chosen)
             elif ended or self._consumed >= self.sampler.epoch_samples():
-                self._epoch, self._consumed = epoch + 1, 0
+                self._start_epoch(epoch + 1)
             # else a pass left early (break): it keeps its place, the next pass continues it
 
     def _chosen_next(self) -> int | None:

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from gpukit.distributed.batch_sizes import micro_batches
 from gpukit.distributed.data import DistributedLoader, SampleWeights, weighted_allreduce
+from gpukit.distributed.position import checked_seed
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.precision import autocast_forward, resolve_precision
@@ -177,10 +178,11 @@ def prepare(
     Raises:
         InvalidArgumentError: an object of the wrong type, batch sizes that do not fit together,
             ``accumulate`` without a loader or with a model wrapped in DDP already, an unknown
-            precision.
+            precision, a ``seed`` that is not a whole number from 0 to 2**63 - 1.
         DeviceError: a precision this process's device cannot run natively.
     """
     _check_objects(model, optimizer, loader)
+    checked_seed(seed)  # before any work: the loader's shuffle, saved with its position
     ctx = _ready()
     resolved = resolve_precision(precision, ctx.device)
     steps = 1
