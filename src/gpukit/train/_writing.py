@@ -6,9 +6,11 @@ all-reduce of "my part is on disk" in the saves' own gloo group, where DCP meets
 rank whose write failed does not leave the others waiting); only when all parts are there does
 rank 0 mark the save complete and remove the saves beyond ``keep``. Each rank digests the files
 it wrote, after their fsync, and the digests reach rank 0 in that same meeting (a gather), for
-the marker. A failed save is removed, and the error raised to whoever waits for the save; a full
-disk is said to be one. Removing older saves never fails a save that is complete: what cannot be
-removed is logged.
+the marker; rank 0 then tells every rank whether the marker is written, so that every rank's
+``wait()`` returns only once the save is complete on disk, and a marker that could not be
+written fails the save on every rank. A failed save is removed, and the error raised to whoever
+waits for the save; a full disk is said to be one. Removing older saves never fails a save that
+is complete: what cannot be removed is logged.
 """
 
 from __future__ import annotations
@@ -67,12 +69,9 @@ class SaveJob:
             failure = exc
         self.shared = None  # the host copies are not needed any more
         if self.world > 1:
-            failure, digests = self._meet(failure, digests)
-        if failure is None and self.rank == 0:
-            try:
-                saves.finish(self.folder, step=self.step, world_size=self.world, digests=digests)
-            except BaseException as exc:
-                failure = exc
+            failure = self._meet(failure, digests)
+        elif failure is None:
+            failure = self._finish(digests)
         if failure is not None:
             if self.rank == 0:
                 with contextlib.suppress(OSError):
@@ -94,33 +93,44 @@ class SaveJob:
             for name in saves.own_files(self.folder, self.rank)
         }
 
-    def _meet(
-        self, failure: BaseException | None, digests: dict[str, str]
-    ) -> tuple[BaseException | None, dict[str, str]]:
-        """Every rank says whether its part is on disk, and rank 0 gets every rank's digests:
-        one gather in the saves' group, then rank 0's verdict broadcast, so that no rank
-        waits forever for one whose write failed."""
+    def _finish(self, digests: dict[str, str]) -> BaseException | None:
+        """Rank 0's marker, last; the error it met, if any."""
+        try:
+            saves.finish(self.folder, step=self.step, world_size=self.world, digests=digests)
+        except BaseException as exc:
+            return exc
+        return None
+
+    def _meet(self, failure: BaseException | None, digests: dict[str, str]) -> BaseException | None:
+        """Every rank says whether its part is on disk and sends rank 0 its digests (a gather
+        in the saves' group); rank 0 writes the marker when all parts are there, then tells
+        every rank whether the save is complete (a broadcast). So no rank waits forever for
+        one whose write failed, and none returns before the marker is on disk."""
         mine = (failure is None, digests if failure is None else {})
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self.group)
-        ok = torch.tensor([1 if failure is None else 0], dtype=torch.int64)
-        every: dict[str, str] = {}
-        if gathered is not None:
-            for done, sums in gathered:
-                ok[0] = ok[0] if done else 0
-                every.update(sums)
-        dist.broadcast(ok, src=0, group=self.group)
-        if failure is None and int(ok.item()) == 0:
-            failure = CheckpointError(
-                f"The save {self.folder} failed on another rank.",
-                hint="See that rank's error; the previous complete save is still there.",
-            )
-        return failure, every
+        if gathered is not None and failure is None:
+            if all(done for done, _ in gathered):
+                failure = self._finish({k: v for _, sums in gathered for k, v in sums.items()})
+            else:
+                failure = _failed_elsewhere(self.folder)
+        complete = torch.tensor([1 if failure is None else 0], dtype=torch.int64)
+        dist.broadcast(complete, src=0, group=self.group)
+        if failure is None and int(complete.item()) == 0:
+            failure = _failed_elsewhere(self.folder)
+        return failure
 
     def _write_files(self) -> None:
         if self.shared is not None:
             saves.write_part(self.folder, saves.SHARED, _torch_save(self.shared))
         saves.write_part(self.folder, saves.rank_file(self.rank), _torch_save(self.own))
+
+
+def _failed_elsewhere(folder: Path) -> CheckpointError:
+    return CheckpointError(
+        f"The save {folder} failed on another rank.",
+        hint="See that rank's error; the previous complete save is still there.",
+    )
 
 
 def _torch_save(obj: Any) -> Any:
