@@ -27,7 +27,7 @@ from torch import nn
 from gpukit.checkpoint.api import load, save
 from gpukit.devices import device as parse_device
 from gpukit.devices import try_all_gpus
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import DeviceError, InvalidArgumentError
 from gpukit.parallel.data_parallel import DataParallel
 from gpukit.repro import seed_everything
 from gpukit.train.precision import autocast_forward, resolve_precision
@@ -38,11 +38,19 @@ __all__ = ["DemoConfig", "DemoEvent", "DemoResult", "DigitsNet", "default_device
 
 DEFAULT_CPU_REPLICAS = 4
 SHOWCASE_BATCH = 16  # the classic tutorial's batch: 4 per replica on 4 devices
+_TRAINS_ON = ("cpu", "cuda", "mps")
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """What the demo trains on and how."""
+    """What the demo trains on and how, checked when made.
+
+    Raises:
+        InvalidArgumentError: a count below 1, a learning rate that is not positive, or more
+            micro-batches than a batch has samples.
+        DeviceError: a device gk.device refuses, or one the demo cannot train on ("meta",
+            "xpu"...: it trains on cpu, cuda and mps devices).
+    """
 
     devices: tuple[str, ...] | None = None  # None: every GPU, else DEFAULT_CPU_REPLICAS CPUs
     epochs: int = 8
@@ -68,6 +76,25 @@ class DemoConfig:
                 "micro-batches than it has samples.",
                 hint=f"Pass --accumulate {self.batch_size} or less, or a larger --batch-size.",
             )
+        if self.devices:
+            for spec in self.devices:  # refused here, before the data is loaded
+                _check_trainable(spec, parse_device(spec))
+
+
+def _check_trainable(spec: str, dev: torch.device) -> None:
+    """Refuse a device gk.device passes through unchecked ("meta", "xpu"...): the demo trains
+    only where gpukit checks the device (cpu, cuda, mps), and fails midway anywhere else."""
+    if dev.type in _TRAINS_ON:
+        return
+    if dev.type == "meta":
+        why = "a meta device holds shapes but no data, so nothing can be trained or measured on it."
+    else:
+        why = f"it trains on {', '.join(_TRAINS_ON[:-1])} and {_TRAINS_ON[-1]} devices only."
+    raise DeviceError(
+        f"the demo cannot train on {spec!r}: {why}",
+        hint="List cpu, cuda:N or mps devices, e.g. --devices cpu,cpu, or leave --devices out "
+        f"for every GPU (else {DEFAULT_CPU_REPLICAS} CPU replicas).",
+    )
 
 
 @dataclass(frozen=True)

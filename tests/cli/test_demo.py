@@ -162,3 +162,22 @@ def test_demo_says_its_checkpoint_is_temporary_and_how_to_keep_it(
     assert saved.endswith("removed when the demo ends; --save FILE keeps it.")
     path = saved.split(": ", 1)[1].split(" (", 1)[0]
     assert not Path(path).exists()
+
+
+@pytest.mark.usefixtures("no_training")
+@pytest.mark.parametrize(
+    ("devices", "says"),
+    [
+        ("meta", "holds shapes but no data"),
+        ("cpu,meta", "holds shapes but no data"),
+        ("xpu", "trains on cpu, cuda and mps devices only"),
+    ],
+)
+def test_a_device_the_demo_cannot_train_on_is_a_usage_error_before_training(
+    devices: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--devices", devices]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpukit demo: the demo cannot train on {devices.split(',')[-1]!r}")
+    assert says in err
+    assert "--devices cpu,cpu" in err  # the next step
