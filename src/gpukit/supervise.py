@@ -25,12 +25,13 @@ Never imports torch.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from gpukit.errors import InvalidArgumentError
 
@@ -127,21 +128,58 @@ def _child_setup(tty: int | None, own_group: bool) -> Callable[[], None]:
     return setup
 
 
+def _cannot_run(program: str, exc: OSError) -> InvalidArgumentError:
+    """The error for a program that could not be started: ``exc`` is what exec said."""
+    if isinstance(exc, FileNotFoundError):
+        return InvalidArgumentError(
+            f"Cannot run {program!r}: no such program.", hint="Check the command after `--`."
+        )
+    return InvalidArgumentError(
+        f"Cannot run {program!r}: {exc.strerror or exc}.",
+        hint="Check the command after `--`: make the file executable (chmod +x) or run it "
+        "with its interpreter, e.g. `-- python train.py`.",
+    )
+
+
+def check_program(program: str, env: Mapping[str, str]) -> None:
+    """Refuse, before anything starts, a program that exec would not find or may not run.
+
+    ``program`` is looked up as :func:`supervise` (``subprocess``) looks it up: a name with a
+    ``/`` as that path, any other in ``env``'s ``PATH``. It must be a file you may execute:
+    found nowhere is "no such program", a folder or a file without the execute permission is
+    "Permission denied", the same errors :func:`supervise` gives once exec has failed. Meant
+    for a command that another program starts later (torchrun's workers), whose failed exec
+    would be that program's traceback. What only exec can tell (a file of a format the kernel
+    does not run) is not checked.
+
+    Raises:
+        InvalidArgumentError: the program cannot be started, saying why and what to check.
+    """
+    if not program:
+        candidates: list[str] = []
+    elif os.sep in program:
+        candidates = [program]
+    else:  # os.get_exec_path is subprocess's own reading of PATH (an empty entry: the cwd)
+        candidates = [os.path.join(folder, program) for folder in os.get_exec_path(dict(env))]
+    denied = False
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return
+        denied = denied or os.path.exists(path)
+    if denied:
+        problem: OSError = PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+    else:
+        problem = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    raise _cannot_run(program, problem)
+
+
 def _start(
     argv: Sequence[str], env: dict[str, str], tty: int | None, *, own_group: bool
 ) -> subprocess.Popen[bytes]:
     try:
         proc = subprocess.Popen(list(argv), env=env, preexec_fn=_child_setup(tty, own_group))
     except OSError as exc:  # not found, not executable (chmod), a folder, not a program
-        if isinstance(exc, FileNotFoundError):
-            raise InvalidArgumentError(
-                f"Cannot run {argv[0]!r}: no such program.", hint="Check the command after `--`."
-            ) from exc
-        raise InvalidArgumentError(
-            f"Cannot run {argv[0]!r}: {exc.strerror or exc}.",
-            hint="Check the command after `--`: make the file executable (chmod +x) or run it "
-            "with its interpreter, e.g. `-- python train.py`.",
-        ) from exc
+        raise _cannot_run(argv[0], exc) from exc
     if own_group:
         with contextlib.suppress(OSError):  # the child did it too; whichever runs first wins
             os.setpgid(proc.pid, proc.pid)

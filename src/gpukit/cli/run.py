@@ -5,7 +5,9 @@
 The command runs with ``CUDA_VISIBLE_DEVICES`` set to the chosen GPUs' nvidia-smi indices and
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so CUDA's numbering matches nvidia-smi's). gpukit stays its
 parent and holds the claims until it exits, passes every signal on to it exactly once (see
-:mod:`gpukit.supervise`), and returns its exit status (128+N when a signal N killed it).
+:mod:`gpukit.supervise`), and returns its exit status (128+N when a signal N killed it). Under
+``--ddp`` that is the workers' status: 75 when they stopped for preemption, else the code of
+the first worker that failed (:mod:`gpukit.distributed.torchrun_agent`).
 
 A process the command leaves behind (``cmd &``, torchrun's workers when torchrun is killed)
 becomes gpukit's child (gpukit is their subreaper), and the claims last until it has ended too.
@@ -31,7 +33,7 @@ import time
 from gpukit.cli._args import Number, Seconds
 from gpukit.cli._criteria import add_criteria, criteria_from
 from gpukit.cli._output import print_error, say_if_fake
-from gpukit.distributed.torchrun import ddp_command, ddp_env
+from gpukit.distributed.torchrun import check_ddp_program, ddp_command, ddp_env
 from gpukit.errors import DistributedError, GpukitError, InvalidArgumentError, NoDriverError
 from gpukit.gpus.inventory import inventory
 from gpukit.sharing.acquire import POLL_VAR, GpuRequest, acquire_request, poll_interval
@@ -206,11 +208,14 @@ def run(args: argparse.Namespace) -> int:
             f"--torchrun-arg={args.torchrun_arg[0]} without --ddp: no torchrun to give it to.",
             hint="Add --ddp: gpukit run --ddp -n N --torchrun-arg=OPT -- train.py",
         )
-    # Under --ddp, a job that cannot work this way is refused before any GPU is claimed.
+    # Under --ddp, a job that cannot work this way is refused before any GPU is claimed, and
+    # so is a command torchrun's workers could not start (without --ddp, starting it tells).
     try:
         argv = ddp_command(cmd, args.gpus, args.torchrun_arg) if args.ddp else cmd
     except DistributedError as exc:  # the job, as the command line places it: a usage error
         raise InvalidArgumentError(exc.message, hint=exc.hint) from exc
+    if args.ddp:
+        check_ddp_program(cmd)
     say_if_fake("run")
     try:
         machine = inventory()
