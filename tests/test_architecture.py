@@ -36,6 +36,22 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # What train/ may not import although some of it sits below (docs/architecture.md, "The
 # training room"): it asks torch.distributed for the job, and is composed by distributed/.
 TRAIN_NEVER_IMPORTS = ("distributed", "parallel", "serve", "bench", "cli")
+# The loader, the training step, the gradient hook, the training state and the metrics are handed
+# their step context (docs/architecture.md, "The training room"): none of these modules may
+# hold a module-level list, dict or set through which they would find each other again.
+NO_REGISTRIES = (
+    "train/step.py",
+    "train/state.py",
+    "train/context.py",
+    "train/accumulate.py",
+    "distributed/data.py",
+    "distributed/ddp.py",
+    "distributed/metrics.py",
+)
+MUTABLE_CONTAINERS = frozenset(
+    {"list", "dict", "set", "defaultdict", "deque", "OrderedDict", "WeakSet"}
+    | {"WeakValueDictionary", "WeakKeyDictionary"}
+)
 # Names a module lists in __all__ without defining them, or imports though private: none
 # remain, and nothing may be added here.
 NOT_YET_OWN: dict[str, frozenset[str]] = {}
@@ -110,6 +126,45 @@ def test_train_imports_none_of_the_parts_it_is_composed_by() -> None:
         if target in TRAIN_NEVER_IMPORTS
     )
     assert bad == []
+
+
+def _is_mutable_container(value: ast.expr) -> bool:
+    """Whether an expression makes a list, dict or set (a literal, a comprehension, a call)."""
+    literals = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+    if isinstance(value, literals):
+        return True
+    if isinstance(value, ast.Call):
+        func = value.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        return name in MUTABLE_CONTAINERS
+    return False
+
+
+def _module_level_containers(path: Path) -> list[str]:
+    """Each name a module binds, at its top level, to a new list, dict or set (``__all__``,
+    which Python's import machinery reads, aside)."""
+    found = []
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if _is_mutable_container(value):
+            names = [t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__"]
+            found += [f"{name} (line {node.lineno})" for name in names]
+    return found
+
+
+@pytest.mark.parametrize("name", NO_REGISTRIES)
+def test_the_loader_the_step_the_hook_and_the_state_share_no_module_level_registry(
+    name: str,
+) -> None:
+    # A registry (`_FEEDING: list[TrainStep] = []`) joined them behind the user's back, shared
+    # by every thread; they are handed one StepContext instead, and the one lookup left is a
+    # ContextVar (train/context.py).
+    assert _module_level_containers(SRC / name) == []
 
 
 @pytest.mark.parametrize(

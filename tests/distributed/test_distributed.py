@@ -204,7 +204,6 @@ def test_a_rank_with_no_sample_in_the_last_step_gets_an_empty_batch_of_the_same_
 
 def test_sample_weights_weigh_each_rank_by_its_share_of_the_global_batch() -> None:
     data = TensorDataset(torch.arange(13))
-    weights = SampleWeights(world_size=3)
     seen = []
     for rank in range(3):
         loader = dist.DistributedLoader(
@@ -215,10 +214,28 @@ def test_sample_weights_weigh_each_rank_by_its_share_of_the_global_batch() -> No
             device=torch.device("cpu"),
             seed=0,
         )
+        weights = SampleWeights(world_size=3, context=loader.context)  # as prepare() hands it
         seen.append([weights.weight() for _ in loader])
+        assert weights.weight() == 1 / 3  # outside its loader's pass: DDP's plain average
     # Steps of 6 samples give each rank 2/6; the last step's one sample is all rank 0's.
     assert seen == [[1 / 3, 1 / 3, 1.0], [1 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 0.0]]
-    assert weights.weight() == 1 / 3  # outside a loader: DDP's plain average
+
+
+def test_the_hook_reads_its_own_loaders_shares_inside_another_loaders_loop() -> None:
+    # An evaluation loop inside the training loop: the gradients are the training batch's.
+    def loader(n: int, rank: int) -> dist.DistributedLoader:
+        data = DataLoader(TensorDataset(torch.arange(n)), batch_size=4)
+        return dist.DistributedLoader(
+            data, batch_size=2, rank=rank, world_size=3, device=torch.device("cpu"), seed=0
+        )
+
+    training, evaluation = loader(13, 0), loader(6, 2)
+    weights = SampleWeights(world_size=3, context=training.context)
+    seen = []
+    for _ in training:
+        for _ in evaluation:
+            seen.append(weights.weight())
+    assert seen == [1 / 3, 1 / 3, 1.0]  # the training batches' shares of rank 0
 
 
 def test_gather_for_metrics_in_one_process_returns_the_values_themselves() -> None:

@@ -323,10 +323,11 @@ def hooked_means(rank: int, dataset_len: int) -> list[float]:
 
     The mean over no sample is nan, as a loss over an empty batch may be.
     """
-    state = SampleWeights(world_size=2)
+    loader = _loader(rank, dataset_len)
+    state = SampleWeights(world_size=2, context=loader.context)  # as prepare() hands it
     return [
         weighted_allreduce(state, Bucket(batch[0].mean().reshape(1))).wait().item()  # type: ignore[arg-type]
-        for batch in _loader(rank, dataset_len)
+        for batch in loader
     ]
 
 

@@ -70,8 +70,8 @@ class _Seen:
             self.samples.append(x.tolist())
             self.reported.append((loader.current_len, loader.current_global_len))
             if loader.train_step is not None:
-                acc = loader.train_step.accumulation
-                self.placed.append((acc.index, acc.length, acc.samples, acc.window_samples))
+                ctx = loader.context
+                self.placed.append((ctx.index, ctx.length, ctx.samples, ctx.window_samples))
 
 
 def _resumed(

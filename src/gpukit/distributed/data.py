@@ -16,9 +16,10 @@ whole global batch.
 
 With gradient accumulation (``accumulate=K``) a global batch is a *window* of K consecutive
 micro-batches, each cut from the order and split over the ranks the same way; the last window
-of an epoch holds what is left (fewer or shorter micro-batches). The loader tells the training
-step (:class:`~gpukit.train.step.TrainStep`) where each micro-batch sits in its window, and the
-hook then applies the step's gradient weight (see :mod:`gpukit.train.accumulate`).
+of an epoch holds what is left (fewer or shorter micro-batches). The loader writes where each
+micro-batch sits in its window into the step's :class:`~gpukit.train.context.StepContext`, the
+one object it shares with the training step (:class:`~gpukit.train.step.TrainStep`) and the
+hook, which reads the step's gradient weight from it (see :mod:`gpukit.train.accumulate`).
 """
 
 from __future__ import annotations
@@ -37,24 +38,18 @@ from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampl
 
 from gpukit.distributed.position import checked_epoch, checked_position, checked_seed, worker_base
 from gpukit.errors import InvalidArgumentError
-from gpukit.train.step import TrainStep, done_feeding, feeding
+from gpukit.train.context import StepContext, loader_pass
+from gpukit.train.precision import Precision
+from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 
 __all__ = [
     "DistributedLoader",
     "RankBatches",
     "SampleWeights",
-    "active_loader",
     "share",
     "weighted_allreduce",
 ]
-
-_ACTIVE: list[DistributedLoader] = []
-
-
-def active_loader() -> DistributedLoader | None:
-    """The prepared loader whose batch is being processed now, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def share(batch_len: int, world_size: int, rank: int) -> range:
@@ -218,25 +213,28 @@ class SampleWeights:
 
     Each rank's gradient is the mean over its own share of ``n_r`` samples; the hook sums
     ``n_r / n * grad_r`` over the ranks, where ``n`` is the global batch's size, which is the
-    mean over the whole global batch: exactly one process's gradient. Outside a prepared
-    loader's batch (or with equal shares) it is DDP's plain average. The loss must be a mean
-    over the batch (PyTorch's default ``reduction="mean"``).
+    mean over the whole global batch: exactly one process's gradient. The shares come from
+    ``context``, the :class:`~gpukit.train.context.StepContext` its loader fills (``prepare()``
+    hands the hook the loader's own); with accumulation, the step's settled gradient weight
+    from the same context. Outside that loader's pass, without a context (or with equal
+    shares) it is DDP's plain average. The loss must be a mean over the batch (PyTorch's
+    default ``reduction="mean"``).
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, context: StepContext | None = None) -> None:
         self.world_size = world_size
+        self.context = context
 
     def weight(self) -> float:
-        """This rank's share of the current global batch, or 1/N outside a prepared loader."""
-        loader = active_loader()
-        if loader is None:
+        """This rank's share of the current global batch, or 1/N outside its loader's pass."""
+        ctx = self.context
+        if ctx is None or not ctx.in_pass:
             return 1.0 / self.world_size
-        step = loader.train_step
-        if step is not None and step.accumulation.global_total is not None:
-            return step.accumulation.gradient_weight()  # the step's micro-batches, weighed
-        if loader.current_global_len == 0:
+        if ctx.gradient_weight is not None:
+            return ctx.gradient_weight  # the step's micro-batches, weighed (settled)
+        if not ctx.global_samples or ctx.samples is None:
             return 1.0 / self.world_size
-        return loader.current_len / loader.current_global_len
+        return ctx.samples / ctx.global_samples
 
 
 def weighted_allreduce(
@@ -285,9 +283,14 @@ class DistributedLoader:
     ``batch_size`` is per process and micro-batch; ``global_batch_size`` is what one optimizer
     step sees over all processes and its ``accumulate`` micro-batches.
 
+    Before each micro-batch the loader writes its place into :attr:`context`, the
+    :class:`~gpukit.train.context.StepContext` it shares with ``train_step`` (given, or the
+    one ``context`` belongs to) and the gradient hook; without either it makes its own.
+
     Raises:
-        InvalidArgumentError: the loader has a custom batch sampler or sampler, or ``seed`` is
-            not a whole number from 0 to 2**63 - 1.
+        InvalidArgumentError: the loader has a custom batch sampler or sampler, ``seed`` is
+            not a whole number from 0 to 2**63 - 1, or ``context`` and ``train_step`` (or
+            ``accumulate``) do not belong together.
     """
 
     def __init__(
@@ -301,7 +304,9 @@ class DistributedLoader:
         seed: int,
         accumulate: int = 1,
         train_step: TrainStep | None = None,
+        context: StepContext | None = None,
     ) -> None:
+        self.context = _loader_context(accumulate, train_step, context)
         if loader.batch_size is None:
             raise InvalidArgumentError(
                 "the loader has a custom batch_sampler, so prepare() cannot set its batch size.",
@@ -339,7 +344,6 @@ class DistributedLoader:
         self.batch_size = batch_size
         self.accumulate = accumulate
         self.global_batch_size = batch_size * world_size * accumulate
-        self.train_step = train_step
         self.device = device
         self.rank = rank
         self.world_size = world_size
@@ -347,8 +351,28 @@ class DistributedLoader:
         self._consumed = 0  # samples of that epoch's order consumed (see state_dict)
         self._in_pass = False
         self._next_epoch: int | None = None  # chosen by set_epoch during a pass
-        self.current_len = 0
-        self.current_global_len = 0
+
+    @property
+    def train_step(self) -> TrainStep | None:
+        """The training step this loader places micro-batches for (``dist.step`` calls it)."""
+        step: TrainStep | None = self.context.train_step
+        return step
+
+    @property
+    def precision(self) -> Precision | None:
+        """The precision ``prepare()`` resolved (``.name``: what ``"auto"`` chose); None for a
+        loader made without ``prepare()`` or a training step."""
+        return self.context.precision
+
+    @property
+    def current_len(self) -> int:
+        """This rank's samples in the batch being processed (0 before the first)."""
+        return self.context.samples or 0
+
+    @property
+    def current_global_len(self) -> int:
+        """The samples of the batch being processed over every rank (0 before the first)."""
+        return self.context.global_samples or 0
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next pass's shuffle; the passes after it count on from there.
@@ -434,12 +458,8 @@ class DistributedLoader:
         self.sampler.start = self._consumed  # mid-epoch: only the rest of the epoch's order
         self._worker_seeds.manual_seed(worker_base(self.sampler.seed, epoch, self.rank))
         self._in_pass, self._next_epoch = True, None
-        self.current_len = 0
-        self.current_global_len = 0
+        self.context.samples = self.context.global_samples = 0
         ended = False
-        _ACTIVE.append(self)
-        if self.train_step is not None:
-            feeding(self.train_step)
         if _forks_workers(self.loader):
             # A worker forked now would inherit this process's uncollected garbage, and a
             # collection in it would destroy a C++ object of this process (a process group
@@ -447,18 +467,13 @@ class DistributedLoader:
             # hangs or aborts. Collected here, where those threads run.
             gc.collect()
         try:
-            for step, batch in enumerate(self.loader):
-                self.current_global_len = sizes[before + step]
-                self.current_len = len(share(sizes[before + step], self.world_size, self.rank))
-                if self.train_step is not None:
+            with loader_pass(self.context):
+                for step, batch in enumerate(self.loader):
                     self._place(before + step, sizes)
-                self._consumed += sizes[before + step]
-                yield to_device(batch, self.device)
+                    self._consumed += sizes[before + step]
+                    yield to_device(batch, self.device)
             ended = True
         finally:
-            _ACTIVE.remove(self)
-            if self.train_step is not None:
-                done_feeding(self.train_step)
             self.sampler.start = 0
             self._in_pass = False
             if (chosen := self._chosen_next()) is not None:
@@ -472,11 +487,11 @@ class DistributedLoader:
         return self._next_epoch
 
     def _place(self, step: int, sizes: list[int]) -> None:
-        """Tell the training step where micro-batch ``step`` sits in its optimizer step."""
-        assert self.train_step is not None
+        """Write where micro-batch ``step`` sits in its optimizer step into the context."""
         start = step - step % self.accumulate
         window = sizes[start : start + self.accumulate]
-        self.train_step.begin(step - start, len(window), self.current_len, sum(window))
+        mine = len(share(sizes[step], self.world_size, self.rank))
+        self.context.place(step - start, len(window), mine, sum(window), sizes[step])
 
     def kept_rows(self) -> list[bool]:
         """For the batch being processed, which rows of a gather over all ranks are samples.
@@ -484,3 +499,28 @@ class DistributedLoader:
         Every row is: no sample is repeated, so a gather holds the global batch exactly once.
         """
         return [True] * self.current_global_len
+
+
+def _loader_context(
+    accumulate: int, train_step: TrainStep | None, context: StepContext | None
+) -> StepContext:
+    """The step context a loader fills: the one given, the training step's, or a new one.
+
+    Raises:
+        InvalidArgumentError: the training step reads another context, or the context counts
+            another number of micro-batches per step than the loader's ``accumulate``.
+    """
+    if context is None:
+        context = train_step.context if train_step is not None else StepContext(accumulate)
+    if train_step is not None and train_step.context is not context:
+        raise InvalidArgumentError(
+            "the loader got a train_step that reads another step context than its own.",
+            hint="Pass the step's own: context=train_step.context (or only train_step).",
+        )
+    if context.accumulate != accumulate:
+        raise InvalidArgumentError(
+            f"the loader cuts accumulate={accumulate} micro-batches per step, and its step "
+            f"context counts {context.accumulate}.",
+            hint="Give the loader, its step context and its training step one accumulate=.",
+        )
+    return context

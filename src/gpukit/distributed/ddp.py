@@ -15,6 +15,7 @@ from gpukit.distributed.data import DistributedLoader, SampleWeights, weighted_a
 from gpukit.distributed.position import checked_seed
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
 from gpukit.errors import InvalidArgumentError
+from gpukit.train.context import StepContext
 from gpukit.train.precision import autocast_forward, resolve_precision
 from gpukit.train.shard import ShardPolicy, is_sharded, shard_model
 from gpukit.train.step import TrainStep
@@ -26,7 +27,9 @@ Opt = TypeVar("Opt", bound=Optimizer)
 __all__ = ["prepare"]
 
 
-def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any]) -> Any:
+def _prepare_model(
+    model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, Any], context: StepContext
+) -> Any:
     if isinstance(model, DistributedDataParallel) or is_sharded(model):
         return model
     model = to_device(model, ctx.device)  # the fp32 master weights, whatever the precision
@@ -35,8 +38,9 @@ def _prepare_model(model: nn.Module, ctx: DistributedContext, ddp: Mapping[str, 
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     wrapped = DistributedDataParallel(model, device_ids=ids, **ddp)
     # Shares of a global batch may differ (the last batch of an epoch): weigh each rank's
-    # gradient by its samples, not by 1/N, so the step is the one a single process takes.
-    wrapped.register_comm_hook(SampleWeights(ctx.world_size), weighted_allreduce)
+    # gradient by its samples, not by 1/N, so the step is the one a single process takes. The
+    # hook reads them from the step context the prepared loader fills.
+    wrapped.register_comm_hook(SampleWeights(ctx.world_size, context), weighted_allreduce)
     _leave_with_the_group(wrapped)
     return wrapped
 
@@ -158,8 +162,13 @@ def prepare(
     the step is still one process's step on the whole global batch. ``precision`` is
     ``"fp32"`` (default), ``"bf16-mixed"``, ``"fp16-mixed"`` or ``"auto"`` (see
     :func:`gpukit.train.precision.resolve_precision`): the model's forward runs under autocast,
-    weights and gradients stay fp32. With either, end each batch with ``dist.step(loss)``
-    in place of ``opt.zero_grad(); loss.backward(); opt.step()``.
+    weights and gradients stay fp32; what ``"auto"`` chose is logged (logger
+    ``gpukit.train``, INFO) and is ``loader.precision.name``. With either, end each batch with
+    ``dist.step(loss)`` in place of ``opt.zero_grad(); loss.backward(); opt.step()``.
+
+    The loader, its training step (``loader.train_step``) and the model's gradient hook share
+    one :class:`~gpukit.train.context.StepContext` (``loader.context``): the loader writes each
+    micro-batch's place and share into it, the step and the hook read them there.
 
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=256,
     ...                              accumulate=4, precision="auto")  # doctest: +SKIP
@@ -209,8 +218,9 @@ def prepare(
             "equal average over processes cannot weigh micro-batches exactly.",
             hint="Pass the bare model and let prepare() wrap it.",
         )
+    context = StepContext(steps, precision=resolved)
     if shard is not False:  # FSDP2 in place of DDP (train/shard.py)
-        weight = SampleWeights(ctx.world_size).weight
+        weight = SampleWeights(ctx.world_size, context).weight
         model = shard_model(
             model,
             shard,
@@ -219,20 +229,18 @@ def prepare(
             optimizer=optimizer,
             param_dtype=resolved.dtype,
         )
-    prepared = _prepare_model(model, ctx, ddp_kwargs or {})
+    prepared = _prepare_model(model, ctx, ddp_kwargs or {}, context)
     inner = prepared.module if isinstance(prepared, DistributedDataParallel) else prepared
     autocast_forward(inner, resolved)
     out: list[Any] = [prepared]
     if optimizer is not None:
         out.append(_prepare_optimizer(optimizer, ctx))
     if loader is not None:
-        train_step = None
-        if optimizer is not None:
-            train_step = TrainStep(
+        if optimizer is not None:  # binds itself to the context: loader.train_step
+            TrainStep(
                 prepared,
                 optimizer,
-                precision=resolved,
-                accumulate=steps,
+                context=context,
                 hooked=(isinstance(prepared, DistributedDataParallel) and not yours)
                 or is_sharded(prepared),
                 distributed=ctx.world_size > 1,
@@ -246,7 +254,7 @@ def prepare(
                 device=ctx.device,
                 seed=seed,
                 accumulate=steps,
-                train_step=train_step,
+                context=context,
             )
         )
     return out[0] if len(out) == 1 else tuple(out)

@@ -8,11 +8,9 @@ import torch
 import torch.distributed as dist
 
 from gpukit import _tree
-from gpukit.distributed.data import (
-    active_loader,
-)
 from gpukit.distributed.process_group import DistributedContext, _ready
 from gpukit.errors import DistributedError, InvalidArgumentError
+from gpukit.train.context import current_context
 
 T = TypeVar("T")
 
@@ -136,10 +134,11 @@ def _gather_leaf(t: torch.Tensor, ctx: DistributedContext, keep: list[bool] | No
     if keep is None or t.dim() == 0:
         return gathered
     if gathered.shape[0] != len(keep):
-        loader = active_loader()
+        context = current_context()
+        samples = context.samples if context is not None else None
         raise DistributedError(
             f"gather_for_metrics() got a tensor of {t.shape[0]} rows during a batch of "
-            f"{loader.current_len if loader else '?'} samples, so it cannot tell which "
+            f"{'?' if samples is None else samples} samples, so it cannot tell which "
             "rows the sampler repeated.",
             hint="Gather per-sample values (one row per sample of the batch), or use "
             "all_reduce_mean for per-batch numbers.",
@@ -184,12 +183,14 @@ def gather_for_metrics(x: T) -> T:
     DistributedSampler repeats a few samples so that every process gets as many; those rows
     are removed here, so a metric over the gathered values counts each sample of the dataset
     exactly once. Outside such a loop it gathers
-    everything, concatenated in rank order.
+    everything, concatenated in rank order. The batch is that of the prepared loader being
+    iterated now (the innermost loop; :func:`gpukit.train.context.current_context`).
     """
     ctx = _ready()
     if not ctx.distributed or ctx.world_size == 1:
         return x
-    loader = active_loader()
-    keep = loader.kept_rows() if loader is not None else None
+    context = current_context()
+    # A prepared loader repeats no sample: every row of the gather is one of the batch.
+    keep = None if context is None else [True] * (context.global_samples or 0)
     gathered: T = _gather_nested(x, ctx, keep)
     return gathered

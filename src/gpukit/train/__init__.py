@@ -8,11 +8,12 @@ one-process script uses them the same way. This package never imports ``gpukit.d
 from __future__ import annotations
 
 from gpukit.train.accumulate import Accumulation, AccumulationPlan, plan_accumulation
+from gpukit.train.context import StepContext
 from gpukit.train.precision import PRECISIONS, Precision, resolve_precision
 from gpukit.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption, Requeue
 from gpukit.train.scaler import LossScaler
 from gpukit.train.state import Resumed, TrainingState
-from gpukit.train.step import TrainStep, step
+from gpukit.train.step import StepResult, TrainStep, step
 
 __all__ = [
     "PRECISIONS",
@@ -25,6 +26,8 @@ __all__ = [
     "Preemption",
     "Requeue",
     "Resumed",
+    "StepContext",
+    "StepResult",
     "TrainStep",
     "TrainingState",
     "plan_accumulation",

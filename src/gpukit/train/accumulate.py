@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from gpukit.errors import InvalidArgumentError
+from gpukit.train.context import StepContext, checked_accumulate
 
 __all__ = ["Accumulation", "AccumulationPlan", "check_count", "plan_accumulation"]
 
@@ -53,57 +54,52 @@ def check_count(count: object) -> int:
 
 
 class Accumulation:
-    """Where this rank is in its optimizer step, and the two weights that make the step exact.
+    """The two weights that make an optimizer step exact, over the step's :class:`StepContext`.
 
-    The loader tells it each micro-batch's place with :meth:`begin`; without a loader it counts
-    calls itself, K per window, every micro-batch weighing one item unless a count is given.
+    The context says where the current micro-batch sits (a loader places it there); without
+    a loader the accumulation counts calls itself, K per window, every micro-batch weighing
+    one item unless a count is given. What it counts is written into the same context, so the
+    gradient all-reduce reads the settled weight from there.
+
+    Raises:
+        InvalidArgumentError: ``steps`` is not a whole number from 1, or ``context`` was made
+            for another number of micro-batches per step.
     """
 
-    def __init__(self, steps: int, *, distributed: bool = False, scaled: bool = False) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    def __init__(
+        self,
+        steps: int,
+        *,
+        distributed: bool = False,
+        scaled: bool = False,
+        context: StepContext | None = None,
+    ) -> None:
+        checked_accumulate(steps)
+        if context is not None and context.accumulate != steps:
             raise InvalidArgumentError(
-                f"accumulate={steps!r} is not a number of micro-batches per optimizer step.",
-                hint="Pass a whole number, 1 or more (1: no accumulation).",
+                f"accumulate={steps} was given with a step context of "
+                f"accumulate={context.accumulate}.",
+                hint="Give the training step and its loader one number of micro-batches.",
             )
         self.steps = steps
         self.distributed = distributed
         self.scaled = scaled
-        self.index = -1
-        self.length = steps
-        self.samples: int | None = None
-        self.window_samples: int | None = None
-        self._fed = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.reference: int | None = None
-        self.local_total = 0
-        self.user_counts = False
-        self.global_total: int | None = None
+        self.context = context if context is not None else StepContext(steps)
 
     def begin(self, index: int, length: int, samples: int, window_samples: int) -> None:
-        """The next micro-batch is ``index`` of ``length`` in its window, with ``samples`` here."""
-        self._fed = True
-        self.index, self.length = index, length
-        self.samples, self.window_samples = samples, window_samples
-        if index == 0:
-            self._reset()
-
-    def _advance_alone(self) -> None:
-        self.index = (self.index + 1) % self.steps
-        self.length = self.steps
-        if self.index == 0:
-            self._reset()
+        """The next micro-batch is ``index`` of ``length`` in its window, with ``samples`` here
+        (see :meth:`StepContext.place`)."""
+        self.context.place(index, length, samples, window_samples)
 
     @property
     def first(self) -> bool:
         """Whether the current micro-batch opens its optimizer step."""
-        return self.index == 0
+        return self.context.first
 
     @property
     def last(self) -> bool:
         """Whether the current micro-batch closes its optimizer step (synchronise, step)."""
-        return self.index == self.length - 1
+        return self.context.last
 
     def loss_weight(self, count: object | None) -> float:
         """Record this micro-batch's count and return the factor for its (mean) loss.
@@ -112,47 +108,52 @@ class Accumulation:
             InvalidArgumentError: ``count`` is not a whole number of items; nothing is counted.
         """
         n = None if count is None else check_count(count)  # before the micro-batch is counted
-        if not self._fed:
-            self._advance_alone()
+        ctx = self.context
+        if not ctx.placed:
+            ctx.advance()
         if n is None:
-            n = self.samples if self.samples is not None else 1
+            n = ctx.samples if ctx.samples is not None else 1
         else:
-            self.user_counts = True
-        self.local_total += n
+            ctx.user_counts = True
+        ctx.local_count += n
         if n == 0:
             return 0.0
-        if self.reference is None:
-            known = self.window_samples if count is None and not self.scaled else None
-            self.reference = known or n
-        return n / self.reference
+        if ctx.reference is None:
+            known = ctx.window_samples if count is None and not self.scaled else None
+            ctx.reference = known or n
+        return n / ctx.reference
 
     def settle(self) -> None:
-        """Learn N, the step's count over every rank; call on the last micro-batch, every rank."""
-        if not self.user_counts and self.window_samples is not None:
-            self.global_total = self.window_samples
-            return
-        total = self.local_total
-        if self.distributed and dist.is_available() and dist.is_initialized():
-            summed = torch.tensor([total], dtype=torch.int64)
-            dist.all_reduce(summed)
-            total = int(summed.item())
-        self.global_total = total
+        """Learn N, the step's count over every rank, and this rank's gradient weight m / N;
+        call on the last micro-batch, on every rank."""
+        ctx = self.context
+        if not ctx.user_counts and ctx.window_samples is not None:
+            total = ctx.window_samples
+        else:
+            total = ctx.local_count
+            if self.distributed and dist.is_available() and dist.is_initialized():
+                summed = torch.tensor([total], dtype=torch.int64)
+                dist.all_reduce(summed)
+                total = int(summed.item())
+        ctx.count = total
+        ctx.gradient_weight = ctx.reference / total if ctx.reference is not None and total else 0.0
 
     def gradient_weight(self) -> float:
-        """The factor for this rank's accumulated gradient before the sum over ranks: m / N."""
-        if self.reference is None or not self.global_total:
-            return 0.0
-        return self.reference / self.global_total
+        """The factor for this rank's accumulated gradient before the sum over ranks: m / N
+        (0 before :meth:`settle`)."""
+        weight = self.context.gradient_weight
+        return 0.0 if weight is None else weight
 
     def state_dict(self) -> dict[str, Any]:
         """Where the current window stands (counts so far), to resume mid-step."""
+        ctx = self.context
         return {
             "steps": self.steps,
-            "index": self.index,
-            "length": self.length,
-            "reference": self.reference,
-            "local_total": self.local_total,
-            "user_counts": self.user_counts,
+            "index": ctx.index,
+            "length": ctx.length,
+            "reference": ctx.reference,
+            "local_total": ctx.local_count,
+            "user_counts": ctx.user_counts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -167,10 +168,11 @@ class Accumulation:
                 f"and this run uses accumulate={self.steps}.",
                 hint="Resume with the accumulate= the state was saved with.",
             )
-        self.index, self.length = int(state["index"]), int(state["length"])
-        self.reference = state["reference"]
-        self.local_total = int(state["local_total"])
-        self.user_counts = bool(state["user_counts"])
+        ctx = self.context
+        ctx.index, ctx.length = int(state["index"]), int(state["length"])
+        ctx.reference = state["reference"]
+        ctx.local_count = int(state["local_total"])
+        ctx.user_counts = bool(state["user_counts"])
 
 
 @dataclass(frozen=True)

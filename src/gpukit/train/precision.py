@@ -11,6 +11,10 @@
   faster with the instructions, several times slower without them (pytorch/pytorch#118499);
 - any other device: fp32.
 
+What ``"auto"`` chose is logged once per resolution (logger ``gpukit.train``, INFO) and is the
+``name`` of the :class:`Precision` returned: ``loader.precision.name`` for a prepared loader,
+``train_step.precision.name`` for a training step.
+
 A request the device cannot honour (fp16 on a CPU, bf16 on a GPU before Ampere) is a
 :class:`~gpukit.errors.DeviceError` naming the device and what to ask for instead; nothing falls
 back to fp32 silently. Autocast changes the compute dtype of the forward only: the weights, the
@@ -19,6 +23,7 @@ optimizer state and the gradients (and so their all-reduce) stay fp32.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,8 @@ __all__ = [
 ]
 
 PRECISIONS = ("auto", "bf16-mixed", "fp16-mixed", "fp32")
+
+log = logging.getLogger("gpukit.train")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -93,11 +100,26 @@ def _check_request(request: object) -> str:
     return request
 
 
+def _auto(device: torch.device) -> tuple[str, str]:
+    """What ``"auto"`` picks on ``device``, and why, in words for the log."""
+    if device.type == "cuda":
+        if _native_bf16(device):
+            return "bf16-mixed", f"{_cuda_name(device)} computes bf16 natively"
+        return "fp16-mixed", f"{_cuda_name(device)} has no native bf16 (before 8.0)"
+    if device.type == "cpu":
+        if cpu_has_native_bf16():
+            return "bf16-mixed", "the CPU has bf16 instructions (AVX512-BF16 or AMX)"
+        return "fp32", "the CPU has no bf16 instructions (AVX512-BF16, AMX)"
+    return "fp32", "mixed precision runs on CUDA GPUs and CPUs only"
+
+
 def resolve_precision(request: object, device: torch.device) -> Precision:
     """The precision to train with on ``device``: ``"auto"`` decided, an impossible one refused.
 
     >>> resolve_precision("fp32", torch.device("cpu")).dtype is None
     True
+
+    ``"auto"`` logs what it chose and why (logger ``gpukit.train``, INFO).
 
     Raises:
         InvalidArgumentError: ``request`` is not one of :data:`PRECISIONS`.
@@ -107,11 +129,8 @@ def resolve_precision(request: object, device: torch.device) -> Precision:
     name = _check_request(request)
     kind = device.type
     if name == "auto":
-        if kind == "cuda":
-            name = "bf16-mixed" if _native_bf16(device) else "fp16-mixed"
-        else:
-            native = kind == "cpu" and cpu_has_native_bf16()
-            name = "bf16-mixed" if native else "fp32"
+        name, why = _auto(device)
+        log.info("precision='auto' chose %r on %s: %s", name, device, why)
     if name == "fp32":
         return Precision("fp32", kind, None)
     if kind == "cpu" and name == "fp16-mixed":

@@ -8,16 +8,21 @@ does all of it; ``gk.distributed.prepare(..., precision=..., accumulate=...)`` b
 
     for x, y in loader:
         loss = loss_fn(model(x), y)
-        if dist.step(loss):          # False while accumulating, or on a skipped fp16 step
-            scheduler.step()
+        if result := dist.step(loss, clip_grad_norm=1.0):  # false while accumulating, or on
+            scheduler.step()                              # a skipped fp16 step
+            log(result.grad_norm)                         # the step's total gradient norm
 
 One process without a group uses the same object: ``TrainStep(model, opt, accumulate=4)``,
 then ``train_step(loss)`` per micro-batch (each weighing one item unless ``count=`` is given).
+The step's place and counts live in its :class:`~gpukit.train.context.StepContext`, which the
+prepared loader fills and the gradient all-reduce reads: the three are handed one object.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
@@ -28,20 +33,71 @@ from torch.optim import Optimizer
 
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.accumulate import Accumulation
-from gpukit.train.precision import Precision
+from gpukit.train.context import StepContext, current_context
+from gpukit.train.precision import Precision, autocast_forward, resolve_precision
 from gpukit.train.scaler import LossScaler
 
-__all__ = ["TrainStep", "current_step", "step"]
+__all__ = ["StepResult", "TrainStep", "step"]
 
-_FEEDING: list[TrainStep] = []
+
+@dataclass(frozen=True, eq=False)
+class StepResult:
+    """What one call of the step did: true when the optimizer stepped.
+
+    ``if dist.step(loss):`` reads as before, and the result equals ``True`` or ``False`` as the
+    step's answer (``results.count(True)`` counts the steps taken).
+
+    ``grad_norm`` is the total 2-norm of the step's gradients (unscaled and weighed: the
+    gradients of the whole global batch, as ``torch.nn.utils.clip_grad_norm_`` returns it in
+    one process) when the step clipped them (``clip_grad_norm=``), a 0-dim tensor on the
+    gradients' device (read it with ``.item()`` when you log it: reading it waits for the
+    GPU); ``None`` on a micro-batch that only accumulated, and when the step did not clip.
+    """
+
+    stepped: bool
+    grad_norm: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return self.stepped
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, bool):
+            return self.stepped is other
+        if isinstance(other, StepResult):
+            mine, theirs = self.grad_norm, other.grad_norm
+            same_norm = mine is theirs or (
+                mine is not None and theirs is not None and torch.equal(mine, theirs)
+            )
+            return self.stepped == other.stepped and same_norm
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.stepped)
 
 
 class TrainStep:
     """Backward, weights, scaling and the optimizer step of one model, micro-batch by micro-batch.
 
-    ``hooked`` says that the model's gradient all-reduce applies the accumulation's gradient
-    weight itself (the communication hook ``prepare()`` installs); otherwise the gradients are
-    weighted here before the step. ``distributed`` makes user-given counts summed over the group.
+    ``precision`` is a name, as ``prepare()`` takes it (``"fp32"``, ``"bf16-mixed"``,
+    ``"fp16-mixed"``, ``"auto"``: resolved against the device of the model's parameters, and
+    the model's forward put under its autocast, as ``prepare()`` does), or a resolved
+    :class:`~gpukit.train.precision.Precision` (the forward is then left as it is: ``prepare()``
+    and :func:`~gpukit.train.precision.autocast_forward` wrap it). :attr:`precision` is the
+    resolved one: ``train_step.precision.name`` says what ``"auto"`` chose.
+
+    ``context`` is the step's :class:`~gpukit.train.context.StepContext`, shared with the
+    loader that places the micro-batches and the gradient hook that reads the weights
+    (``prepare()`` hands the three one context); without one the step makes its own and counts
+    its calls, ``accumulate`` per optimizer step. ``hooked`` says that the model's gradient
+    all-reduce applies the gradient weight itself (the communication hook ``prepare()``
+    installs); otherwise the gradients are weighted here before the step. ``distributed`` makes
+    user-given counts summed over the group.
+
+    Raises:
+        InvalidArgumentError: ``precision`` is neither a known name nor a ``Precision``,
+            ``accumulate`` is not a whole number from 1 (or differs from the context's), or the
+            context already belongs to another training step.
+        DeviceError: a precision name the model's device cannot run natively.
     """
 
     def __init__(
@@ -49,30 +105,49 @@ class TrainStep:
         model: nn.Module,
         optimizer: Optimizer,
         *,
-        precision: Precision | None = None,
-        accumulate: int = 1,
+        precision: Precision | str | None = None,
+        accumulate: int | None = None,
         hooked: bool = False,
         distributed: bool = False,
+        context: StepContext | None = None,
     ) -> None:
+        if context is None:
+            context = StepContext(1 if accumulate is None else accumulate)
+        elif context.train_step is not None:
+            raise InvalidArgumentError(
+                "this step context already belongs to another training step.",
+                hint="Give each TrainStep its own StepContext (prepare() makes one per loader).",
+            )
+        steps = context.accumulate if accumulate is None else accumulate
+        requested = precision if precision is not None else context.precision
+        resolved = _resolved(requested, model)
+        self.scaler = LossScaler(resolved.device_type) if resolved.scaled else None
+        self.accumulation = Accumulation(
+            steps, distributed=distributed, scaled=self.scaler is not None, context=context
+        )  # the last check: nothing was changed before it
+        if isinstance(requested, str):  # a name: its forward under autocast, as prepare() does
+            inner = model.module if isinstance(model, DistributedDataParallel) else model
+            autocast_forward(inner, resolved)  # fp32 gives back the plain forward
         self.model = model
         self.optimizer = optimizer
-        self.precision = precision
-        self.scaler = (
-            LossScaler(precision.device_type)
-            if precision is not None and precision.scaled
-            else None
-        )
-        self.accumulation = Accumulation(
-            accumulate, distributed=distributed, scaled=self.scaler is not None
-        )
+        self.context = context
+        context.precision = resolved
+        context.train_step = self
+        context.on_place = self._set_gradient_sync
         self.hooked = hooked
-        self.optimizer_steps = 0
         self._stepping = False
         self._open = False
         optimizer.register_step_pre_hook(self._refuse_a_direct_step)
 
+    @property
+    def precision(self) -> Precision:
+        """The resolved precision (``.name``: what ``"auto"`` chose)."""
+        precision = self.context.precision
+        assert precision is not None  # set when the step was made
+        return precision
+
     def _refuse_a_direct_step(self, *_: object) -> None:
-        if self._stepping or not self.required or current_step() is not self:
+        if self._stepping or not self.required or not self.context.in_pass:
             return
         raise InvalidArgumentError(
             "opt.step() was called in a loop over a loader prepared with "
@@ -92,16 +167,21 @@ class TrainStep:
         return self.accumulation.steps > 1 or self.scaler is not None
 
     def begin(self, index: int, length: int, samples: int, window_samples: int) -> None:
-        """Called by the loader before it hands out each micro-batch: place it, set the sync."""
-        self.accumulation.begin(index, length, samples, window_samples)
+        """Place the next micro-batch: ``index`` of ``length`` in its optimizer step, with
+        ``samples`` of the step's ``window_samples``. A prepared loader does it itself (through
+        the context); call it in a loop of your own that cuts its batches into micro-batches."""
+        self.context.place(index, length, samples, window_samples)
+
+    def _set_gradient_sync(self, last: bool) -> None:
+        """Before each micro-batch's forward: reduce the gradients only on the step's last."""
         if isinstance(self.model, DistributedDataParallel):
             # What DDP's no_sync() sets: the forward that follows prepares the all-reduce only
             # when this micro-batch closes the step.
-            self.model.require_backward_grad_sync = self.accumulation.last
+            self.model.require_backward_grad_sync = last
         elif callable(sync := getattr(self.model, "set_requires_gradient_sync", None)):
             # A sharded model (FSDP2): its no_sync. Gradients stay whole and local until the
             # micro-batch that closes the step, which reduce-scatters them once.
-            sync(self.accumulation.last)
+            sync(last)
 
     def __call__(
         self,
@@ -109,21 +189,36 @@ class TrainStep:
         *,
         count: object | None = None,
         clip_grad_norm: float | None = None,
-    ) -> bool:
+        before_optimizer_step: Callable[[], object] | None = None,
+    ) -> StepResult:
         """Backward ``loss`` (a mean over the micro-batch); step when the global batch is done.
 
         ``count``: the number of items ``loss`` averages over (non-padding tokens, say), to weigh
         micro-batches by items instead of samples; pass it on every call or on none.
-        ``clip_grad_norm``: clip the gradients' total norm to this, on true (unscaled) gradients.
-        Returns True when the optimizer stepped: False on a micro-batch that only accumulated,
-        and on a step skipped for inf/NaN fp16 gradients (do not advance an LR scheduler then).
+        ``clip_grad_norm``: clip the gradients' total norm to this, on true (unscaled) gradients;
+        the norm before clipping is the result's ``grad_norm``.
+        ``before_optimizer_step``: called with no argument on the micro-batch that closes the
+        step, after the gradients are final (reduced over the processes, weighed, unscaled and
+        clipped: what the optimizer is about to use) and before the optimizer steps; for
+        logging or checking gradients. Not called on micro-batches that only accumulate.
+
+        Returns a :class:`StepResult`, true when the optimizer stepped: false on a micro-batch
+        that only accumulated, and on a step skipped for inf/NaN fp16 gradients (do not advance
+        an LR scheduler then).
 
         Raises:
-            InvalidArgumentError: ``count`` is not a whole number of items, or
-                ``clip_grad_norm`` is not a finite number above 0; checked on every call, before
-                anything runs, so a refused call changes nothing.
+            InvalidArgumentError: ``count`` is not a whole number of items,
+                ``clip_grad_norm`` is not a finite number above 0, or ``before_optimizer_step``
+                is not callable; checked on every call, before anything runs, so a refused call
+                changes nothing.
         """
         max_norm = _checked_clip_norm(clip_grad_norm)
+        if before_optimizer_step is not None and not callable(before_optimizer_step):
+            raise InvalidArgumentError(
+                f"before_optimizer_step={before_optimizer_step!r} is not callable.",
+                hint="Pass a function of no argument, such as before_optimizer_step=check, "
+                "or leave it out.",
+            )
         acc = self.accumulation
         weight = acc.loss_weight(count)  # checks the count before counting the micro-batch
         if acc.last:
@@ -136,13 +231,16 @@ class TrainStep:
         torch.autograd.backward(scaled)
         self._open = not acc.last
         if not acc.last:
-            return False
+            return StepResult(False)
         if not self.hooked:
             self._weigh_gradients(acc.gradient_weight())
+        if self.scaler is not None and (max_norm is not None or before_optimizer_step is not None):
+            self.scaler.unscale(self.optimizer)
+        norm = None
         if max_norm is not None:
-            if self.scaler is not None:
-                self.scaler.unscale(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self._parameters(), max_norm)
+            norm = _whole(torch.nn.utils.clip_grad_norm_(self._parameters(), max_norm))
+        if before_optimizer_step is not None:
+            before_optimizer_step()
         self._stepping = True
         try:
             if self.scaler is not None:
@@ -152,8 +250,7 @@ class TrainStep:
                 stepped = True
         finally:
             self._stepping = False
-        self.optimizer_steps += stepped
-        return stepped
+        return StepResult(stepped, norm)
 
     def _parameters(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -177,7 +274,8 @@ class TrainStep:
         return self._open
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state, the accumulation's place and the step counts.
+        """The scaler's state and the accumulation's place (the optimizer's steps are
+        ``TrainingState.step``'s to count).
 
         Raises:
             InvalidArgumentError: called between the micro-batches of one optimizer step, whose
@@ -185,13 +283,12 @@ class TrainStep:
         """
         if self._open:
             raise InvalidArgumentError(
-                f"the training step is between micro-batches ({self.accumulation.index + 1} of "
-                f"{self.accumulation.length} done): a save now would lose their accumulated "
+                f"the training step is between micro-batches ({self.context.index + 1} of "
+                f"{self.context.length} done): a save now would lose their accumulated "
                 "gradients, and the resumed run would differ.",
                 hint="Save after an optimizer step: when dist.step(...) returned True.",
             )
         return {
-            "optimizer_steps": self.optimizer_steps,
             "accumulation": self.accumulation.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
         }
@@ -211,10 +308,47 @@ class TrainStep:
                 + ("uses one." if self.scaler is not None else "does not."),
                 hint="Resume with the precision= the state was saved with.",
             )
-        self.optimizer_steps = int(state["optimizer_steps"])
         self.accumulation.load_state_dict(state["accumulation"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _resolved(precision: object, model: nn.Module) -> Precision:
+    """``precision`` as a :class:`Precision`: a name resolved against the model's device, an
+    object as it is; None is fp32.
+
+    Raises:
+        InvalidArgumentError: ``precision`` is neither a known name nor a ``Precision``.
+        DeviceError: the model's device cannot run the named precision natively.
+    """
+    if isinstance(precision, Precision):
+        return precision
+    device = _device_of(model)
+    if precision is None:
+        return resolve_precision("fp32", device)
+    if not isinstance(precision, str):
+        raise InvalidArgumentError(
+            f"TrainStep got precision={precision!r} (a {type(precision).__name__}), neither a "
+            "precision's name nor a resolved Precision.",
+            hint="Pass one of 'auto', 'bf16-mixed', 'fp16-mixed', 'fp32' (as prepare() takes "
+            "them), or gk.train.resolve_precision(name, device).",
+        )
+    return resolve_precision(precision, device)  # an unknown name: InvalidArgumentError
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model's weights are: its first parameter's (or buffer's) device; the CPU for
+    a model with neither."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """The total norm of a sharded model's gradients (a DTensor over the ranks) as a plain
+    tensor, every rank's shards included; a plain tensor as it is."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if callable(full) else norm
 
 
 def _checked_clip_norm(clip_grad_norm: object) -> float | None:
@@ -263,39 +397,40 @@ def _what_it_does(norm: float) -> str:
     return "it would never clip, which is what leaving it out does."
 
 
-def feeding(train_step: TrainStep) -> None:
-    """Mark ``train_step`` as the one whose loader is being iterated (the loader calls this)."""
-    _FEEDING.append(train_step)
-
-
-def done_feeding(train_step: TrainStep) -> None:
-    """Undo :func:`feeding` when the loader's pass ends."""
-    _FEEDING.remove(train_step)
-
-
-def current_step() -> TrainStep | None:
-    """The training step of the prepared loader being iterated now, if any."""
-    return _FEEDING[-1] if _FEEDING else None
-
-
 def step(
-    loss: torch.Tensor, *, count: object | None = None, clip_grad_norm: float | None = None
-) -> bool:
+    loss: torch.Tensor,
+    *,
+    count: object | None = None,
+    clip_grad_norm: float | None = None,
+    before_optimizer_step: Callable[[], object] | None = None,
+) -> StepResult:
     """End a batch of a prepared loader: backward, and the optimizer step when it is time.
 
     The one call that replaces ``opt.zero_grad(); loss.backward(); opt.step()`` in a loop over
     a loader from ``prepare(..., precision=..., accumulate=...)``; see :meth:`TrainStep.__call__`
-    for ``count`` and ``clip_grad_norm``. Returns True when the optimizer stepped.
+    for ``count``, ``clip_grad_norm`` and ``before_optimizer_step``. Returns a
+    :class:`StepResult`: true when the optimizer stepped, with the gradients' norm when it
+    clipped them.
+
+    It reaches the training step of the prepared loader being iterated now (the innermost
+    such loop; :func:`~gpukit.train.context.current_context`): ``loader.train_step(loss)`` is
+    the same call, without the lookup.
 
     Raises:
         InvalidArgumentError: no loader prepared with an optimizer is being iterated, or
-            ``count`` or ``clip_grad_norm`` is refused (see :meth:`TrainStep.__call__`).
+            an argument is refused (see :meth:`TrainStep.__call__`).
     """
-    current = current_step()
-    if current is None:
+    context = current_context(with_step=True)
+    if context is None:
         raise InvalidArgumentError(
             "step(loss) was called outside a loop over a loader prepared with an optimizer.",
             hint="Call it inside `for batch in loader:` for the loader from "
             "prepare(model, opt, loader, ...), or use gk.train.TrainStep(model, opt) directly.",
         )
-    return current(loss, count=count, clip_grad_norm=clip_grad_norm)
+    train_step: TrainStep = context.train_step
+    return train_step(
+        loss,
+        count=count,
+        clip_grad_norm=clip_grad_norm,
+        before_optimizer_step=before_optimizer_step,
+    )
