@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any
 
@@ -113,11 +114,10 @@ def test_the_scaler_skips_a_step_with_an_inf_gradient_and_the_weights_stay() -> 
     assert train_step.scaler is not None
     scale = train_step.scaler.scale_value
     x = torch.tensor([[1.0, float("inf"), 0.0]])
-    assert train_step(model(x).mean()) is False
+    assert not train_step(model(x).mean())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert train_step.skipped_steps == 1
     assert train_step.scaler.scale_value < scale  # backed off, so the next step can fit
-    assert train_step.optimizer_steps == 0
 
 
 def test_a_scheduler_driven_by_the_steps_answer_does_not_advance_on_a_skipped_step() -> None:
@@ -129,7 +129,7 @@ def test_a_scheduler_driven_by_the_steps_answer_does_not_advance_on_a_skipped_st
         if train_step(model(x).mean()):
             scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
-    assert (train_step.optimizer_steps, train_step.skipped_steps) == (2, 1)
+    assert train_step.skipped_steps == 1
 
 
 def test_clipping_under_the_scaler_sees_the_true_gradients() -> None:
@@ -140,10 +140,88 @@ def test_clipping_under_the_scaler_sees_the_true_gradients() -> None:
         scaled, torch.optim.SGD(scaled.parameters(), lr=1.0), precision=FP16_ON_CPU
     )
     step_plain = TrainStep(plain, torch.optim.SGD(plain.parameters(), lr=1.0))
-    assert step_scaled(nn.functional.mse_loss(scaled(x), y), clip_grad_norm=0.5) is True
-    assert step_plain(nn.functional.mse_loss(plain(x), y), clip_grad_norm=0.5) is True
+    assert step_scaled(nn.functional.mse_loss(scaled(x), y), clip_grad_norm=0.5)
+    assert step_plain(nn.functional.mse_loss(plain(x), y), clip_grad_norm=0.5)
     for a, b in zip(scaled.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_gradients_seen_before_an_fp16_optimizer_step_are_unscaled() -> None:
+    # Read scaled (x 65536), a gradient check or a log would report nonsense.
+    scaled, plain = _linear(), _linear()
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def grads_of(name: str, model: nn.Module) -> Any:
+        return lambda: seen.setdefault(name, [p.grad.clone() for p in model.parameters()])
+
+    step_scaled = TrainStep(
+        scaled, torch.optim.SGD(scaled.parameters(), lr=1.0), precision=FP16_ON_CPU
+    )
+    step_plain = TrainStep(plain, torch.optim.SGD(plain.parameters(), lr=1.0))
+    step_scaled(
+        nn.functional.mse_loss(scaled(x), y), before_optimizer_step=grads_of("fp16", scaled)
+    )
+    step_plain(nn.functional.mse_loss(plain(x), y), before_optimizer_step=grads_of("fp32", plain))
+    for a, b in zip(seen["fp16"], seen["fp32"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_train_step_takes_the_precision_names_prepare_takes() -> None:
+    model = nn.Linear(4, 2)
+    train_step = TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16-mixed"
+    )
+    assert (train_step.precision.name, train_step.precision.device_type) == ("bf16-mixed", "cpu")
+    out = model(torch.ones(3, 4))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, out.bfloat16().float())  # its forward runs under bf16 autocast
+    assert train_step(out.sum())
+
+
+def test_a_train_step_resolves_auto_against_the_models_device_and_says_what_it_chose(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    model = nn.Linear(4, 2)
+    with caplog.at_level(logging.INFO, logger="gpukit.train"):
+        train_step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="auto")
+    assert train_step.precision.name == "fp32"
+    chose = [r.getMessage() for r in caplog.records if "precision='auto' chose" in r.getMessage()]
+    assert len(chose) == 1
+    assert "'fp32'" in chose[0]
+    assert "bf16 instructions" in chose[0]
+
+
+def test_a_prepared_loader_says_what_auto_chose_and_the_log_says_it_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2)
+    with caplog.at_level(logging.INFO, logger="gpukit.train"):
+        _, _, loader = dist.prepare(model, opt, data, global_batch_size=2, precision="auto")
+    assert loader.precision is not None
+    assert loader.precision.name == "bf16-mixed"
+    assert loader.train_step is not None
+    assert loader.train_step.precision is loader.precision
+    chose = [r for r in caplog.records if "precision='auto' chose" in r.getMessage()]
+    assert [(r.name, r.levelno) for r in chose] == [("gpukit.train", logging.INFO)]
+    assert "'bf16-mixed'" in chose[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "precision", ["bf16", "FP32", 16, object()], ids=["bf16", "FP32", "int", "object"]
+)
+def test_a_train_step_refuses_what_is_no_precision_with_the_names_it_takes(
+    precision: object,
+) -> None:
+    model = nn.Linear(1, 1)
+    with pytest.raises(InvalidArgumentError) as caught:
+        TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=precision)  # type: ignore[arg-type]
+    assert "'bf16-mixed'" in (caught.value.hint or "")
 
 
 def test_the_scaler_state_round_trips_with_its_scale_and_skips() -> None:

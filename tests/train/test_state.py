@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import gpukit as gk
 from gpukit.checkpoint.digests import digest
 from gpukit.errors import CheckpointError, InvalidArgumentError
 from gpukit.train import TrainingState, saves
+from tests.helpers.two_processes import OtherRank, two_processes
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -83,7 +85,7 @@ def test_a_resume_gives_back_every_part_and_this_processes_random_streams(
         _train(model, opt, 3)
         sched.step()
         counter.count = 7
-        state.step = 3
+        assert state.step == 3  # the optimizer's three steps, counted
         state.save()
     streams = torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)]
 
@@ -380,18 +382,18 @@ def test_an_optimizer_of_another_shape_is_refused_naming_the_part(tmp_path: Path
         state.resume()
 
 
-def test_a_gradient_scaler_and_an_accumulation_counter_come_back(tmp_path: Path) -> None:
+def test_a_gradient_scaler_and_a_training_step_state_come_back(tmp_path: Path) -> None:
     model = _model()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(torch.ones(1))  # the scale exists from the first use on
     scaler.update(new_scale=256.0)
-    phase = Counter()  # an accumulation counter: anything with state_dict/load_state_dict
+    phase = Counter()  # a training step's stand-in: anything with state_dict/load_state_dict
     phase.count = 3
-    with _state(tmp_path, model, scaler=scaler, accumulation=phase) as state:
+    with _state(tmp_path, model, scaler=scaler, train_step=phase) as state:
         state.save()
     fresh_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     fresh_phase = Counter()
-    with _state(tmp_path, _model(), scaler=fresh_scaler, accumulation=fresh_phase) as state:
+    with _state(tmp_path, _model(), scaler=fresh_scaler, train_step=fresh_phase) as state:
         state.resume()
     assert fresh_scaler.get_scale() == 256.0
     assert fresh_phase.count == 3
@@ -411,3 +413,184 @@ def test_an_error_in_the_training_block_is_not_hidden_by_a_failing_last_save(
 
     with pytest.raises(KeyError, match="the loop's own"):
         train_then_fail()
+
+
+# -- the step counts the optimizer's steps --------------------------------------------------------
+
+
+def test_the_step_counts_the_optimizers_steps_by_itself_in_a_plain_loop(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _state(tmp_path, model, optimizer=opt, asynchronous=False) as state:
+        _train(model, opt, 3)
+        assert state.step == 3
+        saved = state.save()
+    assert saved.name.startswith("step-000000003-")
+
+
+def test_under_accumulation_the_step_counts_optimizer_steps_not_micro_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(20, 3, dtype=torch.float64))
+    model, opt, loader = gk.distributed.prepare(
+        model,
+        opt,
+        torch.utils.data.DataLoader(data, batch_size=4),
+        global_batch_size=8,
+        accumulate=2,
+    )
+    with _state(tmp_path, model, optimizer=opt, loader=loader) as state:
+        answers = [gk.distributed.step(model(x).square().mean()) for (x,) in loader]
+        # 20 samples: windows of 4 + 4, 4 + 4, then one micro-batch of 4: 5 calls, 3 steps.
+        assert (len(answers), answers.count(True), state.step) == (5, 3, 3)
+
+
+def test_an_fp16_step_the_scaler_skips_is_not_counted(tmp_path: Path) -> None:
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fp16_on_cpu = gk.train.Precision("fp16-mixed", "cpu", torch.float16)
+    train_step = gk.train.TrainStep(model, opt, precision=fp16_on_cpu)
+    with _state(tmp_path, model, optimizer=opt, train_step=train_step) as state:
+        for value in (1.0, float("inf"), 1.0):
+            train_step(model(torch.full((1, 3), value)).mean())
+        assert (train_step.skipped_steps, state.step) == (1, 2)
+
+
+def test_setting_the_step_by_hand_once_it_counts_is_refused_naming_the_line_to_remove(
+    tmp_path: Path,
+) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _state(tmp_path, model, optimizer=opt) as state:
+        _train(model, opt, 1)
+        with pytest.raises(InvalidArgumentError, match="counts its optimizer's steps") as raised:
+            state.step += 1
+        assert "Remove `state.step += 1`" in (raised.value.hint or "")
+        assert state.step == 1
+
+
+def test_a_resumed_state_counts_on_from_the_saved_step(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _state(tmp_path, model, optimizer=opt) as state:
+        _train(model, opt, 4)
+        state.save()
+    fresh = _model(seed=1)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    with _state(tmp_path, fresh, optimizer=fresh_opt, asynchronous=False) as state:
+        resumed = state.resume()
+        assert resumed is not None
+        assert (resumed.step, state.step) == (4, 4)
+        _train(fresh, fresh_opt, 2)
+        assert state.step == 6
+        assert state.save().name.startswith("step-000000006-")
+
+
+# -- one switch: asynchronous ---------------------------------------------------------------------
+
+
+def test_a_save_asked_not_to_be_asynchronous_is_complete_when_it_returns(tmp_path: Path) -> None:
+    model = _model()
+    with _state(tmp_path, model) as state:  # asynchronous by default
+        saved = state.save(asynchronous=False)
+        assert (saved / saves.MARKER).is_file()
+        assert state.wait() == saved  # nothing was left to wait for
+        with pytest.raises(TypeError, match="blocking"):
+            state.save(blocking=True)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1])
+def test_an_asynchronous_switch_that_is_not_a_bool_is_refused(
+    tmp_path: Path, value: object
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="asynchronous="):
+        TrainingState(tmp_path, model=_model(), asynchronous=value)  # type: ignore[arg-type]
+    with (
+        _state(tmp_path, _model()) as state,
+        pytest.raises(InvalidArgumentError, match="asynchronous="),
+    ):
+        state.save(asynchronous=value)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the training step, by its name ---------------------------------------------------------------
+
+
+def _fp16_step(model: nn.Module) -> gk.train.TrainStep:
+    fp16_on_cpu = gk.train.Precision("fp16-mixed", "cpu", torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return gk.train.TrainStep(model, opt, precision=fp16_on_cpu, accumulate=2)
+
+
+def test_the_training_step_is_saved_as_train_step_and_comes_back(tmp_path: Path) -> None:
+    model = nn.Linear(3, 1)
+    saved_step = _fp16_step(model)
+    saved_step(model(torch.full((1, 3), float("inf"))).mean())
+    saved_step(model(torch.full((1, 3), float("inf"))).mean())  # a skipped step
+    with _state(tmp_path, model, train_step=saved_step, asynchronous=False) as state:
+        path = state.save()
+    assert "train_step" in torch.load(path / saves.SHARED, weights_only=True)
+    fresh_step = _fp16_step(nn.Linear(3, 1))
+    with _state(tmp_path, nn.Linear(3, 1), train_step=fresh_step) as state:
+        state.resume()
+    assert fresh_step.skipped_steps == 1
+    assert fresh_step.state_dict() == saved_step.state_dict()
+
+
+def test_a_save_holding_the_training_step_under_its_former_name_resumes(tmp_path: Path) -> None:
+    model = nn.Linear(3, 1)
+    saved_step = _fp16_step(model)
+    for _ in range(2):
+        saved_step(model(torch.full((1, 3), float("inf"))).mean())
+    with _state(tmp_path, model, train_step=saved_step, asynchronous=False) as state:
+        path = state.save()
+    shared = torch.load(path / saves.SHARED, weights_only=True)
+    shared["accumulation"] = shared.pop("train_step")  # as saves made before the rename
+    torch.save(shared, path / saves.SHARED)
+    marker = json.loads((path / saves.MARKER).read_text())
+    marker["files"][saves.SHARED] = (path / saves.SHARED).stat().st_size
+    marker["digests"][saves.SHARED] = digest(path / saves.SHARED)
+    (path / saves.MARKER).write_text(json.dumps(marker))
+    fresh_step = _fp16_step(nn.Linear(3, 1))
+    with _state(tmp_path, nn.Linear(3, 1), train_step=fresh_step) as state:
+        assert state.resume() is not None
+    assert fresh_step.skipped_steps == 1
+
+
+# -- extras are rank 0's: a warning when they differ ----------------------------------------------
+
+
+def save_with_extras(rank: int, folder: str, extras: dict[str, Any]) -> str:
+    """Save a state with ``extras`` from ``rank`` of a group of two; the save's name."""
+    del rank  # the group knows it
+    with TrainingState(folder, model=_model(), extras=extras, asynchronous=False) as state:
+        return state.save().name
+
+
+@pytest.fixture(scope="class")
+def other_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OtherRank]:
+    with two_processes(tmp_path_factory.mktemp("group") / "store") as other:
+        yield other
+
+
+class TestInAGroupOfTwoProcesses:
+    """Rank 0 is this process; the group lives only while these tests run."""
+
+    def test_extras_that_differ_between_ranks_are_named_in_a_warning_pointing_to_rank_extras(
+        self, other_rank: OtherRank, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        alike = {"lr": 0.1, "table": torch.arange(3.0)}  # the same on both ranks: not named
+        other_rank.run(save_with_extras, str(tmp_path), {"best": [2.0], "seen": 5, **alike})
+        with caplog.at_level(logging.WARNING, logger="gpukit.train"):
+            here = save_with_extras(0, str(tmp_path), {"best": [1.0], "seen": 4, **alike})
+        assert other_rank.result() == here
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1
+        assert "'best', 'seen' differ between the ranks" in warned[0]
+        assert "'lr'" not in warned[0]
+        assert "'table'" not in warned[0]
+        assert "rank_extras" in warned[0]

@@ -150,8 +150,7 @@ def segment(
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
-                sched.step()
-                state.step += 1
+                sched.step()  # state.step counted the optimizer's step
                 if state.step == stop_at:
                     if accumulate == 1:
                         return None  # dies here: what was not saved is lost

@@ -69,7 +69,7 @@ def _blocking(folder: Path, model_bytes: int, repeat: int) -> list[BenchResult]:
 
     def synchronous() -> float:
         start = time.perf_counter()
-        state.save(blocking=True)
+        state.save(asynchronous=False)
         return time.perf_counter() - start
 
     with state:

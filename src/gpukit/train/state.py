@@ -7,16 +7,23 @@
 >>> with gk.TrainingState(folder, model=model, optimizer=optimizer) as state:
 ...     resumed = state.resume()          # None: nothing saved yet
 ...     for _ in range(3):
-...         state.step += 1               # ... one optimizer step ...
+...         model(torch.ones(1, 2)).sum().backward()
+...         optimizer.step()              # counted: state.step is the optimizer's steps
 ...     saved = state.save()              # blocks only while the state is copied to memory
->>> resumed is None, saved.name.startswith("step-000000003-")
-(True, True)
+>>> resumed is None, state.step, saved.name.startswith("step-000000003-")
+(True, 3, True)
 
 What is gathered, each by duck type (anything with ``state_dict``/``load_state_dict``): the model
 (unwrapped from DDP, DataParallel or ``torch.compile``, so a save resumes in any of them), the
 optimizer, an LR scheduler, a gradient scaler, the loader (gpukit's ``DistributedLoader`` keeps
-its epoch and its position inside the epoch), an accumulation counter, user extras (stateful
-objects or plain data), the step counter, and every rank's random streams.
+its epoch and its position inside the epoch), the training step (``gk.train.TrainStep``: the
+fp16 scaler, the accumulation's place), user extras (stateful objects or plain data), the step
+counter, and every rank's random streams.
+
+``state.step`` counts the optimizer's steps (not micro-batches) by itself when the state has an
+optimizer: each ``optimizer.step()`` that runs adds one, in a plain loop, under
+``dist.step(loss)`` or a ``TrainStep``, and an fp16 step the scaler skips adds none. A run
+without an optimizer counts by hand: ``state.step += 1``.
 
 Rank 0 writes what every rank holds alike (the DDP replicas are identical), each rank writes its
 own random streams; a model sharded with FSDP2 is saved by every rank writing only its own
@@ -30,6 +37,8 @@ to host memory and returns; a background thread writes it, and the next ``save``
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
 import secrets
@@ -46,8 +55,9 @@ from torch import nn
 import gpukit.train._sharded_part as _sharded_part
 import gpukit.train.rng as rng
 import gpukit.train.saves as saves
+from gpukit import _tree
 from gpukit.checkpoint.keys import unwrap
-from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
+from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError, check_bool
 from gpukit.train._staging import Stager, check_plain, is_stateful
 from gpukit.train._writing import SaveJob
 from gpukit.train.contents import check_optimizer_state, check_scheduler_state
@@ -59,7 +69,9 @@ __all__ = ["Resumed", "TrainingState"]
 log = logging.getLogger("gpukit.train")
 
 # The parts gathered by name, besides the model; each is optional.
-_SLOTS = ("optimizer", "scheduler", "scaler", "loader", "accumulation")
+_SLOTS = ("optimizer", "scheduler", "scaler", "loader", "train_step")
+# Saves made before the training step's part had its name hold it under this one.
+_FORMER_TRAIN_STEP = "accumulation"
 _MAX_STEP = (1 << 63) - 1
 
 
@@ -88,9 +100,16 @@ class TrainingState:
     (a save is a meeting of all ranks) and :meth:`resume` once, before training. ``keep``
     complete saves are kept; older ones are removed only once a newer one is complete.
 
+    ``train_step`` is the :class:`~gpukit.train.step.TrainStep` (its fp16 scaler and the
+    accumulation's place); a prepared loader's (``loader.train_step``) is taken by default.
+    ``extras`` are saved once, by rank 0, so they must be alike on every rank (a warning names
+    those that differ at a save); what differs per rank goes in ``rank_extras``, saved by each
+    rank. ``asynchronous`` makes :meth:`save` return once the state is copied to host memory.
+
     Raises:
         InvalidArgumentError: a part lacks ``state_dict``/``load_state_dict``, an extra is
-            neither stateful nor plain data, or ``keep`` is not a positive whole number.
+            neither stateful nor plain data, ``keep`` is not a positive whole number, or
+            ``asynchronous`` is not True or False.
     """
 
     def __init__(
@@ -102,7 +121,7 @@ class TrainingState:
         scheduler: Any = None,
         scaler: Any = None,
         loader: Any = None,
-        accumulation: Any = None,
+        train_step: Any = None,
         extras: Mapping[str, Any] | None = None,
         rank_extras: Mapping[str, Any] | None = None,
         keep: int = 2,
@@ -118,18 +137,19 @@ class TrainingState:
                 f"keep={keep!r} is not a number of saves to keep.",
                 hint="Pass a whole number >= 1 (2 keeps one save to fall back on).",
             )
+        check_bool("asynchronous", asynchronous)
         self.folder = Path(folder)
         self.model = model
         self.parts: dict[str, Any] = {}
-        if accumulation is None:
-            # A prepared loader carries the training step (scaler, accumulation, step counts).
-            accumulation = getattr(loader, "train_step", None)
+        if train_step is None:
+            # A prepared loader carries the training step (scaler, accumulation's place).
+            train_step = getattr(loader, "train_step", None)
         given = dict(
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=scaler,
             loader=loader,
-            accumulation=accumulation,
+            train_step=train_step,
         )
         for name in _SLOTS:
             if given[name] is None:
@@ -154,26 +174,48 @@ class TrainingState:
         self._count = 0
         self._stagers = (Stager(), Stager())  # the shared part, this rank's own
         self._shard_stager: Any = None  # torch's, made at the first save of a sharded model
+        self._counted = False  # whether an optimizer step was counted (then it counts alone)
+        self._paused = False  # while the state itself runs torch code that steps (see below)
+        self._counter: Any = None
+        if callable(register := getattr(optimizer, "register_step_post_hook", None)):
+            self._counter = register(self._count_step)
 
     @property
     def step(self) -> int:
-        """The step the state is at: saved with it, set back by :meth:`resume`.
+        """The optimizer steps taken: saved with the state, set back by :meth:`resume`.
+
+        With an optimizer (one with ``register_step_post_hook``: any ``torch.optim``
+        optimizer) it counts itself, one per ``optimizer.step()`` that runs (an fp16 step the
+        scaler skips never calls it); micro-batches are not steps. It may be set before the
+        optimizer's first step (a run's starting step); once it has counted, setting it is
+        refused. Without an optimizer, count by hand: ``state.step += 1`` after each step.
 
         Raises:
             InvalidArgumentError: (on assignment) not a whole number from 0 to 2**63 - 1: a
-                save at any other step could never be found again by :meth:`resume`.
+                save at any other step could never be found again by :meth:`resume`; or the
+                state counts the optimizer's steps itself.
         """
         return self._step
 
     @step.setter
     def step(self, value: int) -> None:
-        if type(value) is not int or not 0 <= value <= _MAX_STEP:
+        _check_step(value)
+        if self._counted:
             raise InvalidArgumentError(
-                f"TrainingState.step = {value!r} is not a step: a whole number from 0 to "
-                f"{_MAX_STEP} (a save at any other step could not be resumed).",
-                hint="Count optimizer steps with an int: state.step += 1 after each.",
+                f"TrainingState.step = {value} was set by hand, and the state counts its "
+                f"optimizer's steps itself (it is at {self._step}): a step counted twice would "
+                "save at the wrong step.",
+                hint="Remove `state.step += 1` from the loop: state.step already counts each "
+                "optimizer.step().",
             )
         self._step = value
+
+    def _count_step(self, *_: object) -> None:
+        """The optimizer's step post-hook: one more step taken."""
+        if self._paused:
+            return
+        self._counted = True
+        self._step = min(self._step + 1, _MAX_STEP)
 
     # --- gathering -------------------------------------------------------------------------
 
@@ -208,18 +250,25 @@ class TrainingState:
         else:
             self._token = secrets.token_hex(6)
 
-    def save(self, *, blocking: bool | None = None) -> Path:
+    def save(self, *, asynchronous: bool | None = None) -> Path:
         """Save the state now into a new folder under ``folder``; return that folder.
 
-        Every rank must call it at the same step. Asynchronous (unless ``blocking=True`` or the
-        state was built with ``asynchronous=False``): the state is copied to host memory, then
-        written by a background thread, and the call returns; the save is complete once
-        :meth:`wait` returns (or the next ``save``).
+        Every rank must call it at the same step. Asynchronous unless ``asynchronous=False``
+        (``None``: as the state was built, asynchronous by default): the state is copied to
+        host memory, then written by a background thread, and the call returns; the save is
+        complete once :meth:`wait` returns (or the next ``save``). ``asynchronous=False``
+        returns once the save is complete.
+
+        ``extras`` are written by rank 0 alone: when they differ between the ranks, a warning
+        (logger ``gpukit.train``) names those that do; put them in ``rank_extras`` instead.
 
         Raises:
-            CheckpointError: the previous asynchronous save failed, or this one did (blocking);
-                or the folder fails the trust model (another user's, or anyone may write it).
+            InvalidArgumentError: ``asynchronous`` is not True, False or None.
+            CheckpointError: the previous asynchronous save failed, or this one did (not
+                asynchronous); or the folder fails the trust model (another user's, or anyone
+                may write it).
         """
+        check_bool("asynchronous", asynchronous, allow_none=True)
         self.wait()
         saves.check_root(self.folder)
         rank, world = _rank_and_world()
@@ -228,14 +277,21 @@ class TrainingState:
         name = saves.save_name(self.step, self._token, self._count)
         self._count += 1
         target = self.folder / name
-        block = not self.asynchronous if blocking is None else blocking
+        block = not (self.asynchronous if asynchronous is None else asynchronous)
+        if world > 1 and self.extras:
+            self._warn_of_differing_extras(rank, world)
         inner, _ = unwrap(self.model)
-        # A sharded model: each rank keeps its own shards, never the whole.
-        parted = (
-            _sharded_part.sharded_state(inner, self.parts.get("optimizer"))
-            if is_sharded(inner)
-            else None
-        )
+        # A sharded model: each rank keeps its own shards, never the whole. Torch may step the
+        # optimizer once to make its state (lr 0, zero gradients): not a step of the run.
+        self._paused = True
+        try:
+            parted = (
+                _sharded_part.sharded_state(inner, self.parts.get("optimizer"))
+                if is_sharded(inner)
+                else None
+            )
+        finally:
+            self._paused = False
         shared = self._shared(sorted(parted or ())) if rank == 0 else None
         own = self._own()
         if not block:
@@ -260,6 +316,27 @@ class TrainingState:
         self._pending = self._writer.submit(job.run)
         return target
 
+    def _warn_of_differing_extras(self, rank: int, world: int) -> None:
+        """Warn (rank 0) when an extra differs between the ranks: only rank 0's is saved.
+
+        Each rank digests each extra's state; one gather of the digests in the saves' group.
+        """
+        digests = {name: _digest(state) for name, state in _extras_state(self.extras).items()}
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, digests, group=self._group)
+        if rank != 0:
+            return
+        differ = sorted(
+            name for name in digests if any(d.get(name) != digests[name] for d in every)
+        )
+        if differ:
+            log.warning(
+                "extras %s differ between the ranks, and only rank 0's are saved: a resumed "
+                "run gives every rank rank 0's. Pass what differs per rank in rank_extras= "
+                "(saved by each rank).",
+                ", ".join(repr(name) for name in differ),
+            )
+
     def wait(self) -> Path | None:
         """Wait for the asynchronous save in progress; return the newest save this object
         completed (None before any).
@@ -273,10 +350,13 @@ class TrainingState:
         return self._last
 
     def close(self) -> None:
-        """Wait for the save in progress and stop the writer thread."""
+        """Wait for the save in progress and stop the writer thread (and the step count)."""
         try:
             self.wait()
         finally:
+            if self._counter is not None:
+                self._counter.remove()  # the optimizer no longer holds this state
+                self._counter = None
             self._writer.shutdown(wait=True)
             if self._shard_stager is not None:
                 self._shard_stager.close()  # its host copies of the shards
@@ -327,7 +407,11 @@ class TrainingState:
             log.info("no complete save in %s: starting from step 0", root)
             return None
         shared, own = read if read is not None else _read_parts(info, rank)
-        self._load_shared(shared, info)
+        self._paused = True  # torch may step the optimizer to make its state: not a run's step
+        try:
+            self._load_shared(shared, info)
+        finally:
+            self._paused = False
         if not isinstance(own, dict) or "rng" not in own:
             raise _malformed(info.path / saves.rank_file(rank % info.world_size), "rng")
         rng.restore(own["rng"], where=str(info.path))
@@ -357,14 +441,15 @@ class TrainingState:
         for name, part in self.parts.items():
             if name in loaded:
                 continue
-            if name not in shared:
+            stored = _FORMER_TRAIN_STEP if name == "train_step" and name not in shared else name
+            if stored not in shared:
                 raise CheckpointError(
                     f"{path} holds no {name} state, and this run has a {name}.",
                     hint=f"Resume without a {name}, or from a save of a run that had one.",
                 )
             try:
-                _check_part(name, shared[name], part)
-                part.load_state_dict(shared[name])
+                _check_part(name, shared[stored], part)
+                part.load_state_dict(shared[stored])
             except InvalidInput as exc:
                 raise CheckpointError(
                     f"{path / saves.SHARED} holds a {name} state that this {name} cannot take: "
@@ -380,7 +465,7 @@ class TrainingState:
                     hint=f"Resume with the {name} the run saved (same kind, same parameters).",
                 ) from None
         _load_extras(self.extras, shared.get("extras"), path)
-        self.step = step
+        self._step = _check_step(step)  # set back even where the state counts itself
 
     def _load_model(self, shared: dict[str, Any], parted: list[str], path: Path) -> set[str]:
         """Load the model (and the optimizer, where it is saved with a sharded model); return
@@ -405,12 +490,27 @@ class TrainingState:
                 f"take: {exc}.",
                 hint="Resume with the optimizer the run saved (same kind, same parameters).",
             ) from None
-        except (KeyError, RuntimeError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, RuntimeError, TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"{path} holds another model's weights: {str(exc).splitlines()[0]}",
                 hint="Resume with the model the run saved, or start in another folder.",
             ) from None
         return {"model"}
+
+
+def _check_step(value: object) -> int:
+    """A step, checked: a whole number from 0 to 2**63 - 1.
+
+    Raises:
+        InvalidArgumentError: anything else: a save at another step could not be resumed.
+    """
+    if type(value) is not int or not 0 <= value <= _MAX_STEP:
+        raise InvalidArgumentError(
+            f"TrainingState.step = {value!r} is not a step: a whole number from 0 to "
+            f"{_MAX_STEP} (a save at any other step could not be resumed).",
+            hint="Count optimizer steps with an int: state.step += 1 after each.",
+        )
+    return value
 
 
 def _read_parts(info: saves.SaveInfo, rank: int = 0) -> tuple[Any, Any]:
@@ -457,6 +557,17 @@ def _checked_extras(extras: Mapping[str, Any] | None, label: str) -> dict[str, A
         if not is_stateful(value):
             check_plain(value, f"{label}[{name!r}]")
     return found
+
+
+_ON_CPU = _tree.mapper(lambda t: t.detach().cpu(), torch.Tensor)
+
+
+def _digest(state: object) -> bytes:
+    """A digest of an extra's saved state, the same on every rank that holds the same values
+    (tensors moved to the CPU first, so each rank's device does not enter it)."""
+    buffer = io.BytesIO()
+    torch.save(_ON_CPU(state), buffer)
+    return hashlib.blake2b(buffer.getvalue(), digest_size=16).digest()
 
 
 def _extras_state(extras: Mapping[str, Any]) -> dict[str, Any]:

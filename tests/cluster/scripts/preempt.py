@@ -52,8 +52,7 @@ if __name__ == "__main__":
                     loss = nn.functional.mse_loss(model(x), y)
                     opt.zero_grad()
                     loss.backward()
-                    opt.step()
-                    state.step += 1
+                    opt.step()  # counted: state.step
                     if resumed is None and state.step == WAIT_AT:
                         if dist.is_main():
                             (out / "waiting").write_text(os.environ.get("SLURM_JOB_ID", ""))

@@ -130,3 +130,67 @@ def on_rank(rank: int, *case: Any) -> list[float]:
     """``accumulated(*case)`` on ``rank`` of a group that is already set up (two_processes)."""
     del rank  # the group knows it
     return accumulated(*case)
+
+
+def clip(tokens: bool) -> float:
+    """A norm some steps' gradients exceed (they are clipped) and others do not."""
+    return 0.21 if tokens else 6.0
+
+
+def _gradients(model: nn.Module) -> list[float]:
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return torch.cat([p.grad.flatten() for p in inner.parameters() if p.grad is not None]).tolist()
+
+
+def reference_norms(samples: int, optimizer: str, tokens: bool) -> dict[str, list[Any]]:
+    """One process on the whole global batch, clipped by torch to ``clip(tokens)``: each step's
+    total gradient norm (what ``clip_grad_norm_`` returns) and the clipped gradients the
+    optimizer then used."""
+    data = _sequences(samples) if tokens else _regression(samples)
+    model = _model(tokens)
+    opt = _optimizer(optimizer, model)
+    norms, gradients = [], []
+    for epoch in range(EPOCHS):
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(SEED + epoch))
+        for start in range(0, samples, GLOBAL_BATCH):
+            loss = _loss(model, data[order[start : start + GLOBAL_BATCH]], tokens)
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip(tokens))
+            norms.append(norm.item())
+            gradients.append(_gradients(model))
+            opt.step()
+    return {"norms": norms, "gradients": gradients}
+
+
+def clipped_norms(samples: int, steps: int, optimizer: str, tokens: bool) -> dict[str, list[Any]]:
+    """gpukit's loop clipping to ``clip(tokens)``: each step's reported norm, and the gradients a
+    ``before_optimizer_step`` callback saw."""
+    data = _sequences(samples) if tokens else _regression(samples)
+    model = _model(tokens)
+    opt = _optimizer(optimizer, model)
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True)
+    model, opt, loader = dist.prepare(
+        model, opt, loader, global_batch_size=GLOBAL_BATCH, accumulate=steps, seed=SEED
+    )
+    norms: list[float] = []
+    gradients: list[list[float]] = []
+    for _ in range(EPOCHS):
+        for batch in loader:
+            count = (batch[1] != IGNORE).sum() if tokens else None
+            result = dist.step(
+                _loss(model, batch, tokens),
+                count=count,
+                clip_grad_norm=clip(tokens),
+                before_optimizer_step=lambda: gradients.append(_gradients(model)),
+            )
+            if result:
+                assert result.grad_norm is not None
+                norms.append(result.grad_norm.item())
+    return {"norms": norms, "gradients": gradients}
+
+
+def clipped_on_rank(rank: int, *case: Any) -> dict[str, list[Any]]:
+    """``clipped_norms(*case)`` on ``rank`` of a group that is already set up."""
+    del rank
+    return clipped_norms(*case)
