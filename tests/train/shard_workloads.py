@@ -7,10 +7,14 @@ sample, so some ranks get none), and AdamW, whose moments amplify any difference
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -130,6 +134,20 @@ def save_sharded(_rank: int, path: str, max_shard_size: Any = None) -> str:
     return str(gk.save(net, path, max_shard_size=max_shard_size))
 
 
+def save_sharded_by_torch(_rank: int, path: str) -> str:
+    """Shard the bumped model with torch's fully_shard itself (not gpukit) and gk.save it."""
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import gpukit as gk
+
+    assert tdist.group.WORLD is not None
+    mesh = DeviceMesh.from_group(tdist.group.WORLD, device_type="cpu")
+    net = bumped(fully_shard(model(), mesh=mesh))
+    return str(gk.save(net, path))
+
+
 def load_sharded(_rank: int, path: str) -> dict[str, list[float]]:
     """gk.load ``path`` into a fresh model sharded over the group; its full weights."""
     import gpukit as gk
@@ -178,14 +196,62 @@ def save_error(_rank: int, path: str, max_shard_size: Any = None) -> str:
 
 
 def four_processes(_: Any, folder: str, sharded_state: str, unsharded_state: str) -> dict[str, Any]:
-    """In each of four processes: train sharded, load a DCP folder two processes saved, and
-    finish the runs whose training states two sharded processes and one process saved."""
+    """In each of four processes: load a DCP folder two processes saved, and finish the runs
+    whose training states two sharded processes and one process saved."""
     return {
-        "weights": train(),
         "loaded": load_sharded(0, folder),
         "from_two": run_with_state(0, sharded_state)["weights"],
         "from_one": run_with_state(0, unsharded_state)["weights"],
     }
+
+
+def sharded_only(_rank: int) -> str:
+    """Shard the model with the other ranks, then do nothing more: the rank that skips a save
+    ``if dist.is_main():`` keeps to rank 0."""
+    dist.prepare(model(), shard=True)
+    return "sharded"
+
+
+def gk_save_failing_on_rank_1(rank: int, path: str) -> str:
+    """gk.save of a sharded model to a DCP folder whose rank 1 cannot write its part (a full
+    disk): the error each rank gets."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    import gpukit as gk
+
+    net = dist.prepare(model(), shard=True)
+
+    def full(*_: Any, **__: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    with mock.patch.object(FileSystemWriter, "write_data", full) if rank == 1 else nullcontext():
+        try:
+            gk.save(net, path)
+        except (Exception, CheckpointException) as exc:  # torch's is a BaseException
+            return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def in_four_processes(*args: str) -> dict[str, Any]:
+    """Run ``tests/train/shard_four.py args...`` (a job of four processes launched by a process
+    of its own, one thread each) and return what it printed."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "src")]))
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, str(root / "tests/train/shard_four.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
 
 
 def cuda_bytes_after_prepare(_: Any = None) -> dict[str, Any]:
@@ -238,8 +304,7 @@ def train_with_training_state(_rank: int, folder: str) -> dict[str, list[float]]
                 loss = nn.functional.mse_loss(net(x), y)
                 opt.zero_grad()
                 loss.backward()
-                opt.step()
-                state.step += 1
+                opt.step()  # counted: state.step
             if resumed is None:
                 state.save()
         return full_weights(net)
@@ -279,8 +344,7 @@ def run_with_state(
                 loss = nn.functional.mse_loss(net(x), y)
                 opt.zero_grad()
                 loss.backward()
-                opt.step()
-                state.step += 1
+                opt.step()  # counted: state.step
                 if state.step == stop:
                     with _LargestTensor() as seen, _fsyncs_noted(fsyncs):
                         state.save()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +21,16 @@ import torch
 from safetensors.torch import load_file
 
 import gpukit as gk
+from gpukit import distributed as gkdist
+from gpukit.checkpoint import sharded_model
 from gpukit.checkpoint.dcp import open_dcp
 from gpukit.checkpoint.digests import digest
+from gpukit.errors import CheckpointError
 from gpukit.train import saves
 from tests.helpers.two_processes import OtherRank, two_processes
 from tests.train import shard_workloads as work
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,17 @@ def test_a_file_saved_by_one_unsharded_process_loads_into_a_sharded_model(
     assert theirs == expected
 
 
+def test_a_model_sharded_by_torch_itself_saves_on_every_rank_too(
+    other_rank: OtherRank, tmp_path: Path, expected: dict[str, list[float]]
+) -> None:
+    # Its ranks first meet in a group made at this first save, not when gpukit sharded it.
+    path = tmp_path / "ckpt"
+    _both(other_rank, work.save_sharded_by_torch, str(path))
+    net = work.model()
+    assert gk.load(net, path).ok
+    assert work.full_weights(net) == expected
+
+
 def test_a_training_state_saved_sharded_gives_one_process_its_weights(
     other_rank: OtherRank, tmp_path: Path
 ) -> None:
@@ -173,6 +185,55 @@ def test_a_sharded_save_into_a_folder_of_other_files_is_refused_on_every_rank(
     assert theirs == mine
     assert sorted(os.listdir(folder)) == ["README.md"]
     assert sorted(os.listdir(tmp_path)) == ["notes"]  # no temporary folder left behind
+
+
+def test_a_dcp_save_that_fails_on_one_rank_raises_one_typed_error_on_every_rank(
+    other_rank: OtherRank, tmp_path: Path
+) -> None:
+    # gk.save writes its DCP folder as the training state writes its sharded part: through
+    # one writer, whose failure on any rank is the same CheckpointError on every rank.
+    path = tmp_path / "ckpt"
+    mine, theirs = _both(other_rank, work.gk_save_failing_on_rank_1, str(path))
+    assert str(mine).startswith(f"CheckpointError: Cannot write the DCP checkpoint {path}: ")
+    assert "No space left on device" in str(mine)
+    assert theirs == mine
+    assert os.listdir(tmp_path) == []  # no folder, no temporary folder
+
+
+@pytest.fixture
+def rank_0_alone(other_rank: OtherRank, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """A model sharded over both ranks, after which rank 1 goes on alone: the unsharded habit
+    ``if dist.is_main(): gk.save(model, ...)``. Rank 0 waits 2 s for rank 1 to join."""
+    monkeypatch.setattr(sharded_model, "JOIN_TIMEOUT", timedelta(seconds=2))
+    other_rank.run(work.sharded_only)
+    net = gkdist.prepare(work.model(), shard=True)
+    assert other_rank.result() == "sharded"
+    return net
+
+
+def test_a_sharded_save_on_rank_0_alone_fails_fast_saying_to_call_it_on_every_rank(
+    rank_0_alone: torch.nn.Module, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(CheckpointError) as caught:
+        gk.save(rank_0_alone, tmp_path / "model.pt")
+    assert time.monotonic() - started < 30  # not the group's timeout, nor a crash
+    assert "gk.save of a sharded model was not called by every rank" in str(caught.value)
+    assert "Call gk.save(model, path) on every rank with a sharded model (it writes once)" in (
+        caught.value.hint or ""
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_sharded_load_on_rank_0_alone_fails_fast_saying_to_call_it_on_every_rank(
+    rank_0_alone: torch.nn.Module, dcp_folder: Path
+) -> None:
+    # Each rank reads its own part of a DCP folder: alone, rank 0 would load only its rows.
+    with pytest.raises(CheckpointError) as caught:
+        gk.load(rank_0_alone, dcp_folder)
+    assert "Call gk.load(model, path) on every rank with a sharded model" in (
+        caught.value.hint or ""
+    )
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +361,7 @@ def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_no
 ) -> None:
     folder = tmp_path / "run"
     mine, theirs = _both(other_rank, work.save_failing_on_rank_1, str(folder))
-    assert str(mine).startswith("CheckpointError: Cannot write the sharded part")
+    assert str(mine).startswith("CheckpointError: Cannot write the DCP checkpoint")
     assert "No space left on device" in str(theirs)
     assert list(folder.iterdir()) == []  # the half-written save was removed
 
@@ -335,35 +396,20 @@ def test_a_save_whose_shard_metadata_is_damaged_is_refused_on_every_rank(
     assert theirs == mine
 
 
-def test_four_processes_train_as_one_load_a_folder_and_resume_states_others_saved(
+def test_four_processes_load_a_folder_and_resume_states_others_saved(
     dcp_folder: Path, saved_state: dict[str, Any], expected: dict[str, list[float]]
 ) -> None:
-    # The one four-process run of the suite: exact training with 97 samples (the last step
-    # gives three ranks no sample), a DCP folder resharded from two processes to four, and two
-    # runs resumed sharded over four: one two sharded processes saved (DCP resharded), one a
-    # single unsharded process saved (its whole state, each rank keeping its rows). One
-    # process, unsharded, also finishes the run two sharded processes saved.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    script = str(ROOT / "tests/train/shard_four.py")
-    done = subprocess.run(
-        [sys.executable, script, str(dcp_folder), str(saved_state["folder"])],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=400,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    # A DCP folder resharded from two processes to four, and two runs resumed sharded over
+    # four: one two sharded processes saved (DCP resharded), one a single unsharded process
+    # saved (its whole state, each rank keeping its rows). One process, unsharded, also
+    # finishes the run two sharded processes saved. (Four processes training as one:
+    # tests/train/test_shard_exact.py.)
+    found = work.in_four_processes("checkpoint", str(dcp_folder), str(saved_state["folder"]))
     single, ranks = found["single"], found["ranks"]
     assert _furthest(found["one"], single) <= 1e-12
     assert len(ranks) == 4
     for rank in ranks:
         assert rank["loaded"] == expected
-        assert _furthest(rank["weights"], single) <= 1e-12
         assert _furthest(rank["from_two"], single) <= 1e-12
         assert _furthest(rank["from_one"], single) <= 1e-12
 

@@ -1,7 +1,9 @@
-"""prepare(..., shard=...) on two processes: FSDP2 on gloo, the weights one process ends with.
+"""prepare(..., shard=...) on two and four processes: FSDP2 on gloo, the weights one process ends
+with.
 
 The test process is rank 0 of a real two-process group (``tests/helpers/two_processes.py``); the
-one-process reference runs first, before the group exists.
+one-process reference runs first, before the group exists. Four processes are launched by a
+process of their own (``tests/train/shard_four.py``), which trains its own reference.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ def test_two_sharded_processes_end_with_one_process_weights_when_the_data_does_n
     mine = work.train()
     assert _furthest(mine, single) <= 1e-12
     assert _furthest(other_rank.result(), single) <= 1e-12
+
+
+def test_four_sharded_processes_end_with_one_process_weights_when_the_data_does_not_divide() -> (
+    None
+):
+    # 97 samples in batches of 8 over four processes: the last step has 1 sample, three ranks
+    # none; 7 rows split 2 + 2 + 2 + 1.
+    found = work.in_four_processes("train")
+    assert len(found["ranks"]) == 4
+    for weights in found["ranks"]:
+        assert _furthest(weights, found["single"]) <= 1e-12
 
 
 def test_two_sharded_processes_accumulating_micro_batches_end_with_one_process_weights(

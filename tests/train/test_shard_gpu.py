@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
+import gpukit as gk
 from gpukit import distributed as dist
 from gpukit.train.shard import shard
 from tests.train import shard_workloads as work
@@ -62,6 +63,20 @@ def test_a_model_sharded_on_nccl_trains_on_the_gpu_as_the_plain_model_does() -> 
     sharded = _train_on(cuda, sharded=True)
     plain = _train_on(cuda, sharded=False)
     assert max(abs(a - b) for a, b in zip(sharded, plain, strict=True)) <= 1e-12
+
+
+@pytest.mark.parametrize("group_of_one", ["nccl"], indirect=True)
+@pytest.mark.usefixtures("group_of_one")
+@pytest.mark.parametrize("name", ["ckpt", "model.PT"], ids=["dcp folder", "one file"])
+def test_a_model_sharded_on_nccl_saves_with_gk_save(tmp_path: Path, name: str) -> None:
+    # gk.save's ranks agree through the NCCL default group, which takes no CPU tensor.
+    cuda = torch.device("cuda", 0)
+    net = work.bumped(shard(work.model(), device=cuda, weight=lambda: 1.0))
+    path = gk.save(net, tmp_path / name)
+    assert path.is_dir() == (name == "ckpt")
+    plain = work.model()
+    assert gk.load(plain, path).ok
+    assert work.full_weights(plain) == work.full_weights(work.bumped(work.model()))
 
 
 @needs_two_gpus

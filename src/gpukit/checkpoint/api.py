@@ -42,7 +42,7 @@ from gpukit.checkpoint.plan import plan_source, tied_groups
 from gpukit.checkpoint.report import LoadReport
 from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, write_shards
-from gpukit.checkpoint.sharded_model import is_sharded_model, load_sharded, save_sharded
+from gpukit.checkpoint.sharded_model import is_sharded, load_sharded, save_sharded
 from gpukit.checkpoint.single_file import SAFETENSORS, suffix_format
 from gpukit.checkpoint.source import StoredObject
 from gpukit.devices import DeviceLike, device, module_device
@@ -60,6 +60,7 @@ __all__ = [
     "clean_state_dict",
     "load",
     "save",
+    "save_layout",
 ]
 
 METADATA_ATTRIBUTE = "_gpukit_metadata"
@@ -244,15 +245,32 @@ def _names_a_file(path: Path) -> bool:
     return True
 
 
-def check_save_target(
+def save_layout(
     path: Path, max_shard_size: int | str | None, *, option: str = "max_shard_size"
-) -> SaveTarget:
-    """Check where :func:`save` would write ``path``, and in which layout, before any work.
+) -> tuple[str, int | None]:
+    """What :func:`save` writes at ``path``, from its name alone: gpukit's one suffix rule.
 
-    A path without a suffix, or any path but a checkpoint file's with ``max_shard_size``, is a
-    sharded folder; ``.safetensors`` and ``.pt`` / ``.pth`` (``.bin``, ``.ckpt``, ``.tar``) name
-    one file, so asking for shards there is refused (``option`` is the name the message uses).
-    Missing parent folders are made by :func:`save` where the nearest existing one is writable.
+    A checkpoint file's suffix, compared in any case (``.safetensors``; ``.pt``, ``.pth``,
+    ``.bin``, ``.ckpt``, ``.tar`` for torch), names one file: ``("safetensors", None)`` or
+    ``("torch", None)``. A path without a suffix, or any other path with ``max_shard_size``,
+    is a folder: ``("sharded safetensors", limit)``, the limit in bytes, ``None`` where no size
+    was asked (a plain model's folder then has shards of the default size; a sharded model's
+    is a DCP folder). A plain model and a sharded one read a path alike; the file system is
+    not looked at, so every rank of a job decides the same.
+
+    >>> save_layout(Path("w.PT"), None)
+    ('torch', None)
+    >>> save_layout(Path("run/weights"), "1KB")
+    ('sharded safetensors', 1000)
+
+    Args:
+        path: where the checkpoint goes.
+        max_shard_size: the largest shard of a folder (bytes, or ``"2GB"``...), or ``None``.
+        option: the argument's name, as the messages call it (``--max-shard-size``...).
+
+    Raises:
+        InvalidArgumentError: a file's suffix with ``max_shard_size``, another suffix without
+            it, or a size that is not one.
     """
     if max_shard_size is not None and _names_a_file(path):
         raise InvalidArgumentError(
@@ -261,13 +279,36 @@ def check_save_target(
             hint=f"Drop {option} to write one file, or name the folder without a suffix "
             f"(for example {path.with_suffix('').name}).",
         )
-    sharded = max_shard_size is not None or path.suffix == ""
-    if sharded:
-        given = DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size
-        limit: int | None = parse_shard_size(given, option=option)
-        fmt = SHARDED
-    else:
-        limit, fmt = None, suffix_format(path)
+    if max_shard_size is not None:
+        return SHARDED, parse_shard_size(max_shard_size, option=option)
+    if path.suffix == "":
+        return SHARDED, None
+    return suffix_format(path), None  # refuses a suffix it does not know
+
+
+def check_save_target(
+    path: Path, max_shard_size: int | str | None, *, option: str = "max_shard_size"
+) -> SaveTarget:
+    """Check where :func:`save` would write ``path``, and in which layout, before any work.
+
+    The layout is :func:`save_layout`'s (a folder's shards default to 5GB here); the path is
+    then checked: a file's folder must be writable, a folder may be replaced only if it holds
+    nothing but gk.save's own layout. Missing parent folders are made by :func:`save` where the
+    nearest existing one is writable.
+
+    Args:
+        path: where the checkpoint goes.
+        max_shard_size: the largest shard of a folder, or ``None``.
+        option: the argument's name, as the messages call it.
+
+    Raises:
+        InvalidArgumentError: :func:`save_layout` refused the path or the size.
+        CheckpointError: the path cannot be written.
+    """
+    fmt, limit = save_layout(path, max_shard_size, option=option)
+    sharded = fmt == SHARDED
+    if sharded and limit is None:
+        limit = parse_shard_size(DEFAULT_SHARD_SIZE, option=option)
     make = parents_to_make(path)
     if not make and sharded:
         check_output_folder(path, is_layout_file)
@@ -288,8 +329,9 @@ def save(
 
     Wrappers (``nn.DataParallel``, DDP, ``gk.DataParallel``, ``torch.compile``) are removed
     first, so keys never carry ``module.`` or ``_orig_mod.``; optimizers and schedulers in a dict
-    are saved as their state dicts. The path picks the layout: ``.safetensors`` (weights only)
-    or ``.pt`` / ``.pth`` is one file (and ``max_shard_size`` with such a path is refused); a
+    are saved as their state dicts. The path picks the layout (:func:`save_layout`, suffixes
+    compared in any case): ``.safetensors`` (weights only) or ``.pt`` / ``.pth`` / ``.bin`` is
+    one file (and ``max_shard_size`` with such a path is refused); another suffix is refused; a
     path without a suffix, or with ``max_shard_size`` (bytes, or ``"2GB"``, ``"1.5G"``,
     ``"500MiB"`` as :func:`gpukit.sizes.parse_size` reads them; 5GB by default), is a folder in
     Hugging Face's sharded safetensors layout
@@ -311,26 +353,33 @@ def save(
     the dtype is recorded with the rest, and :func:`load` casts back to the model's dtype.
 
     A model sharded over processes (FSDP2) is saved by every process at once, as
-    :mod:`gpukit.checkpoint.sharded_model` describes (a folder is a DCP checkpoint there).
+    :mod:`gpukit.checkpoint.sharded_model` describes: call ``save(model, path)`` on every rank
+    (one file is still written once, by rank 0). The path means what it means for a plain
+    model: a file's suffix is one file of the full weights, a path without a suffix a folder
+    (a DCP checkpoint there, each process writing its own part, unless ``max_shard_size``).
 
     Raises:
-        InvalidArgumentError: ``obj`` is not something to save, ``metadata`` is not JSON, or
-            ``dtype`` is not a floating-point dtype (or is asked of a sharded model).
-        CheckpointError: the path cannot be written (nothing half-written is left).
+        InvalidArgumentError: ``obj`` is not something to save, ``metadata`` is not JSON,
+            ``dtype`` is not a floating-point dtype (or is asked of a sharded model), or the
+            path's suffix is not one :func:`save_layout` knows.
+        CheckpointError: the path cannot be written (nothing half-written is left), or a
+            sharded model's save was not called on every rank (raised on those that called).
     """
     export = _export_dtype(dtype)
-    if is_sharded_model(obj) and export is not None:
+    if is_sharded(obj) and export is not None:
         raise InvalidArgumentError(
             "gk.save got dtype= for a model sharded over processes, which it saves as it is.",
             hint="Save it without dtype=, then load it into one unsharded model and save that "
             "with dtype=.",
         )
-    if is_sharded_model(obj):  # every rank writes its own part: checkpoint/sharded_model.py
+    if is_sharded(obj):  # every rank writes its own part: checkpoint/sharded_model.py
+        layout, limit = save_layout(Path(path), max_shard_size)  # as for a plain model
         return save_sharded(
             obj,
             Path(path),
+            layout=layout,
+            shard_limit=limit,
             metadata=_user_metadata(metadata),
-            max_shard_size=max_shard_size,
             save_file=save,
         )
     planned = check_save_target(Path(path), max_shard_size)
@@ -422,7 +471,7 @@ def load(
         )
     check_bool("strict", strict)
     check_bool("trust", trust)
-    if is_sharded_model(model):  # every rank reads its own part: checkpoint/sharded_model.py
+    if is_sharded(model):  # every rank reads its own part: checkpoint/sharded_model.py
         return load_sharded(model, Path(path), strict=strict, trust=trust)
     inner, _ = unwrap(model)
     target = _target(inner, map_location)

@@ -27,13 +27,24 @@ from typing import Any, BinaryIO
 from gpukit.checkpoint.paths import kind_of
 from gpukit.errors import CheckpointError
 
-__all__ = ["TMP_SUFFIX", "atomic_folder", "atomic_write", "write_durable"]
+__all__ = ["TMP_SUFFIX", "atomic_folder", "atomic_write", "fsync_folder", "write_durable"]
 
 TMP_SUFFIX = ".gpukit-tmp"
 
 
-def _fsync_folder(folder: Path) -> None:
-    # Makes the rename itself durable; not possible (nor needed) on Windows.
+def fsync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` durable: the files created and renamed into it.
+
+    A rename or a new file is durable only once its folder is fsynced: every checkpoint and
+    training-state write of gpukit ends with this call. Nothing is done where a folder cannot
+    be fsynced (Windows, which needs no such step).
+
+    Args:
+        folder: the folder whose entries changed.
+
+    Raises:
+        OSError: the folder cannot be opened or synced (callers turn it into a typed error).
+    """
     if os.name != "posix":
         return
     fd = os.open(folder, os.O_RDONLY)
@@ -174,7 +185,7 @@ def atomic_write(target: Path, write: Callable[[BinaryIO, Path], None]) -> None:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    _fsync_folder(folder)
+    fsync_folder(folder)
 
 
 def write_durable(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -291,7 +302,7 @@ def atomic_folder(target: Path, fill: Callable[[Path], None]) -> None:
         break
     try:
         fill(tmp)
-        _fsync_folder(tmp)
+        fsync_folder(tmp)
         before = _lstat(target)
         if before is None:
             _move_in(tmp, target)
@@ -303,4 +314,4 @@ def atomic_folder(target: Path, fill: Callable[[Path], None]) -> None:
         if (found := _lstat(tmp)) is not None and stat.S_ISDIR(found.st_mode):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_folder(parent)
+    fsync_folder(parent)

@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint (DCP) folders, read on one process without a process group.
+"""torch.distributed.checkpoint (DCP) folders: read checked on one process, written by every rank.
 
 A DCP folder (written by ``torch.distributed.checkpoint.save``, FSDP, torchtitan) holds a
 ``.metadata`` pickle that lists every entry, its shape and which ``*.distcp`` file holds each
@@ -6,6 +6,9 @@ chunk. That pickle is a stranger's file: :mod:`gpukit.checkpoint.dcp_metadata` r
 running code and hands over a checked, rebuilt copy. The tensors themselves are then read by
 torch's own planner, straight into the given tensors, one file at a time, through data files
 opened by :func:`~gpukit.checkpoint.paths.open_content`.
+
+:func:`write_dcp` is gpukit's one writer of such folders: ``gk.save`` of a sharded model and the
+sharded part of a training state both write through it.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from typing import Any
 import torch
 
 from gpukit import untrusted
+from gpukit.checkpoint.atomic import fsync_folder
 from gpukit.checkpoint.dcp_metadata import read_metadata, set_path
 from gpukit.checkpoint.paths import open_content
 from gpukit.checkpoint.source import Location, StoredObject, shape_only
 from gpukit.errors import CheckpointError
 
-__all__ = ["METADATA_NAME", "DcpFolder", "is_dcp_folder", "open_dcp"]
+__all__ = ["METADATA_NAME", "DcpFolder", "is_dcp_folder", "open_dcp", "write_dcp"]
 
 METADATA_NAME = ".metadata"
 
@@ -368,3 +372,73 @@ def open_dcp(folder: Path) -> DcpFolder:
         set_path(found.content, place, value)
         found._key_at[tuple(str(step) for step in place)] = key
     return found
+
+
+def _all_ok(ok: bool, group: Any) -> bool:
+    """Whether every rank of ``group`` is ok (this one alone without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return ok
+    # An object collective, as DCP's own: the default group may be NCCL, which takes no CPU
+    # tensor, and a training state's gloo group no CUDA one.
+    flags: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, ok, group=group)
+    return all(flag is True for flag in flags)
+
+
+_WRITE_HINT = (
+    "Free space or fix the folder's permissions, then save again; what was saved before is "
+    "left as it was."
+)
+
+
+def write_dcp(
+    folder: Path, state: Mapping[str, Any], *, group: Any = None, target: Path | None = None
+) -> None:
+    """Write ``state`` into ``folder`` as a DCP checkpoint, on every rank of ``group`` at once.
+
+    Each rank writes only its own part (a DTensor's local shards; plain tensors and other
+    entries once) into its own file and fsyncs it; the coordinator (rank 0 of ``group``)
+    writes ``.metadata`` once it heard from every rank; then every rank fsyncs ``folder``, so
+    that the entries it made are durable too. Once this returns on any rank, the whole folder
+    is on disk. Without a process group this process writes alone. Nothing is gathered: no rank
+    holds more than its own shards.
+
+    Args:
+        folder: an empty folder every rank can write (on a file system the ranks share).
+        state: the nested state dict to write (``get_state_dict``'s, or any DCP accepts).
+        group: the process group whose ranks all call this; ``None``: the default group.
+        target: the path the errors name, where ``folder`` is a temporary folder built for it.
+
+    Raises:
+        CheckpointError: a rank could not write its part: raised on every rank, which DCP
+            tells (before any rank writes, where a rank cannot even set up its writer); or
+            this rank could not fsync ``folder``: raised here alone, for the caller's meeting
+            of the ranks to tell the others.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    shown = folder if target is None else target
+    reason = ""
+    try:
+        writer = FileSystemWriter(folder, sync_files=True, overwrite=False)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    # Every rank enters DCP's collectives, or none does: a rank that cannot write is not waited for.
+    if not _all_ok(not reason, group):
+        raise CheckpointError(
+            f"Cannot write the DCP checkpoint {shown}: {reason or 'it failed on another rank'}.",
+            hint=_WRITE_HINT,
+        )
+    try:
+        alone = not dist.is_initialized()
+        dcp_save(dict(state), storage_writer=writer, process_group=group, no_dist=alone)
+        fsync_folder(folder)
+    except (Exception, CheckpointException) as exc:  # DCP raises a rank's failure on every rank
+        raise CheckpointError(
+            f"Cannot write the DCP checkpoint {shown}: {_reason(exc)}.", hint=_WRITE_HINT
+        ) from None

@@ -16,8 +16,19 @@ process of the group calls at the same time:
   on rank 0 (CPU) and scatters them one tensor at a time (``set_model_state_dict`` with
   ``broadcast_from_rank0``).
 
-Errors on rank 0 (a bad path, a mismatched checkpoint) reach every rank as the same error, so
-no rank waits for a collective that the others left.
+The path means what it means for a plain model (:func:`gpukit.checkpoint.api.save_layout`, the
+one suffix rule, decided before this module is reached): a checkpoint file's suffix, in any case
+(``.pt``, ``.PT``, ``.safetensors``...), is one file of the full weights; a path without a suffix
+is a folder (DCP, or Hugging Face's layout with ``max_shard_size``); another suffix is refused.
+
+Every rank must call :func:`~gpukit.save` and :func:`~gpukit.load` of a sharded model, as any
+collective (each rank writes or reads its own part; one file is still written once, by rank 0).
+So the ranks first meet in a gloo group of their own (:func:`join_group`), in a monitored
+barrier: a call on rank 0 alone (``if dist.is_main(): gk.save(model, ...)``, the unsharded
+habit) fails within :data:`JOIN_TIMEOUT` with a :class:`~gpukit.errors.CheckpointError` that
+says to call it on every rank, instead of hanging or crashing in a collective the other ranks
+never join. Errors on rank 0 (a bad path, a mismatched checkpoint) reach every rank as the same
+error, so no rank waits for a collective that the others left.
 """
 
 from __future__ import annotations
@@ -28,9 +39,11 @@ import struct
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -38,7 +51,7 @@ from torch import nn
 
 from gpukit import __version__
 from gpukit.checkpoint.atomic import atomic_folder, write_durable
-from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder
+from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder, write_dcp
 from gpukit.checkpoint.keys import clean_keys, unwrap
 from gpukit.checkpoint.layout import open_source
 from gpukit.checkpoint.paths import check_output_folder, make_parents, parents_to_make
@@ -47,15 +60,26 @@ from gpukit.checkpoint.report import LoadReport
 from gpukit.checkpoint.safetensors_format import DTYPES
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, plan_shards, shard_names
 from gpukit.checkpoint.source import Source
-from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
-from gpukit.sizes import parse_shard_size
+from gpukit.errors import (
+    CheckpointError,
+    DistributedError,
+    GpukitError,
+    InvalidArgumentError,
+)
+from gpukit.untrusted import printable
 
-__all__ = ["is_sharded_model", "load_sharded", "save_sharded"]
+__all__ = ["JOIN_TIMEOUT", "is_sharded", "join_group", "load_sharded", "save_sharded"]
 
 T = TypeVar("T")
 _DCP_DATA = re.compile(r"^__\d+_\d+\.distcp$")
 _HF_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".tar")
+_FOLDER = "sharded safetensors"  # save_layout's name for a folder
+
+JOIN_TIMEOUT = timedelta(seconds=60)
+"""How long rank 0 waits for every other rank to call gk.save / gk.load of a sharded model.
+
+Long enough for ranks that leave the same training step at different times, short enough that
+a call on rank 0 alone fails with an error that says what to do instead of hanging."""
 
 
 def _dtensor_type() -> type | None:
@@ -76,12 +100,87 @@ def _modules(obj: object) -> list[nn.Module]:
     return []
 
 
-def is_sharded_model(obj: object) -> bool:
-    """A module whose parameters are DTensors (FSDP2), or a dict that holds one."""
+def is_sharded(obj: object) -> bool:
+    """Whether ``obj`` is a model sharded over processes, or a dict that holds one.
+
+    A model is sharded when any of its parameters is a DTensor (``fully_shard``, FSDP2, makes
+    every parameter of the modules it wraps one); gpukit's one answer to that question, for
+    saving, loading, the training state and ``prepare``. It never imports torch's DTensor
+    module itself (a plain save does not pay for it): no DTensor exists before that module.
+
+    >>> is_sharded(torch.nn.Linear(2, 2))
+    False
+
+    Args:
+        obj: anything; a module, or a dict of modules and other values, may be sharded.
+    """
     dtensor = _dtensor_type()
     if dtensor is None:
         return False
     return any(isinstance(p, dtensor) for m in _modules(obj) for p in m.parameters())
+
+
+_JOIN_GROUPS: WeakKeyDictionary[nn.Module, tuple[Any, Any]] = WeakKeyDictionary()
+
+
+def join_group(model: nn.Module, *, timeout: timedelta | None = None) -> Any:
+    """The gloo group in which every rank meets before saving or loading ``model``; made once.
+
+    Making it is a collective of the default group, so the first call must be made by every
+    rank at the same time: :func:`gpukit.train.shard.shard` calls this as it shards, so that
+    gk.save and gk.load of a model sharded by gpukit only meet in it. A model sharded by other
+    code gets its group at its first gk.save or gk.load (a call on rank 0 alone then fails
+    within :data:`JOIN_TIMEOUT`, as later ones do, and leaves the group numbering of this
+    process ahead of the others: restart the job after fixing the script).
+
+    Args:
+        model: the sharded model (wrappers are looked through).
+        timeout: how long the group's operations wait (torch's default when ``None``).
+
+    Raises:
+        DistributedError: the other ranks did not make the group with this one in time.
+    """
+    world = dist.group.WORLD
+    key = unwrap(model)[0]
+    found = _JOIN_GROUPS.get(key)
+    if found is not None and found[0] is world:
+        return found[1]
+    try:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    except RuntimeError as exc:  # the store's wait for the other ranks timed out
+        seen = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DistributedError(
+            f"rank {dist.get_rank()} made the group that gk.save and gk.load of a sharded "
+            f"model meet in, and the other ranks did not ({seen}).",
+            hint="Shard the model, and save or load it, on every rank at the same time.",
+        ) from None
+    _JOIN_GROUPS[key] = (world, group)
+    return group
+
+
+_EACH_RANK = {
+    "gk.save": "it writes once",
+    "gk.load": "each rank reads its own part",
+}
+
+
+def _join(obj: object, what: str) -> None:
+    """Meet every rank in ``obj``'s join group, or raise on the ranks that came (no hang)."""
+    if dist.get_world_size() == 1:
+        return
+    models = _modules(obj)
+    try:
+        group = join_group(models[0], timeout=JOIN_TIMEOUT)
+        dist.monitored_barrier(group, timeout=JOIN_TIMEOUT, wait_all_ranks=True)
+    except RuntimeError as exc:  # torch's DistError and gloo's timeouts and closed connections
+        seen = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(
+            f"{what} of a sharded model was not called by every rank: rank {dist.get_rank()} "
+            f"did not meet the others in it within {JOIN_TIMEOUT.total_seconds():g} s "
+            f"({printable(seen) or '?'}).",
+            hint=f"Call {what}(model, path) on every rank with a sharded model "
+            f"({_EACH_RANK[what]}), not under `if dist.is_main():`.",
+        ) from None
 
 
 def _agree(fn: Callable[[], T]) -> T | None:
@@ -131,48 +230,75 @@ def _model_state(model: nn.Module) -> OrderedDict[str, Any]:
     return clean_keys(inner.state_dict())[0]
 
 
+def _attempt(
+    fill: Callable[[Path | None], None], tmp: Path | None, path: Path
+) -> GpukitError | None:
+    """Run ``fill(tmp)``; the typed error it met, if any (an OSError turned into one)."""
+    try:
+        fill(tmp)
+    except GpukitError as exc:
+        return exc
+    except OSError as exc:
+        return CheckpointError(
+            f"Cannot save {path}: {exc.strerror or exc}.", hint="Check the path and space."
+        )
+    return None
+
+
+def _first_failure(mine: GpukitError | None) -> GpukitError | None:
+    """Every rank's outcome, told to every rank: the first rank's error, if any rank met one."""
+    outcomes: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, mine)
+    return next((o for o in outcomes if isinstance(o, GpukitError)), None)
+
+
 def _in_folder(path: Path, fill: Callable[[Path | None], None]) -> None:
     """Build the folder ``path`` with every rank's ``fill(tmp)``, put in place by rank 0.
 
     Rank 0 makes the temporary folder and tells the others its name; a failure on rank 0
     before that tells them ``None`` (``fill(None)`` must then only join the collectives).
+    Once every rank has filled its part the ranks meet: the folder is put in place only if
+    every rank's part is written, and every rank raises the same error otherwise.
     """
+    if dist.get_rank() != 0:
+        named: list[object] = [None]
+        dist.broadcast_object_list(named, src=0)
+        tmp = Path(str(named[0])) if named[0] is not None else None
+        _first_failure(_attempt(fill, tmp, path))
+        box: list[object] = [None]
+    else:
+        box = [_build_on_rank_0(path, fill)]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+
+
+def _build_on_rank_0(path: Path, fill: Callable[[Path | None], None]) -> GpukitError | None:
+    """Rank 0's side of :func:`_in_folder`: check, build, meet, put in place; its error."""
     sent = False
 
     def fill_here(tmp: Path) -> None:
         nonlocal sent
         dist.broadcast_object_list([str(tmp)], src=0)
         sent = True
-        fill(tmp)
+        failure = _first_failure(_attempt(fill, tmp, path))
+        if failure is not None:
+            raise failure  # atomic_folder removes the temporary folder
 
-    def build() -> None:
-        try:
-            _check_folder(path)
-            atomic_folder(path, fill_here)
-        finally:
-            if not sent:  # refused before the folder existed: join the others' collectives
-                dist.broadcast_object_list([None], src=0)
-                fill(None)
-
-    if dist.get_rank() == 0:
-        failure: GpukitError | None = None
-        try:
-            build()
-        except GpukitError as exc:
-            failure = exc
-        except OSError as exc:
-            failure = CheckpointError(
-                f"Cannot save {path}: {exc.strerror or exc}.", hint="Check the path and space."
-            )
-        box: list[object] = [failure]
-    else:
-        named: list[object] = [None]
-        dist.broadcast_object_list(named, src=0)
-        fill(Path(str(named[0])) if named[0] is not None else None)
-        box = [None]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], BaseException):
-        raise box[0]
+    failure: GpukitError | None = None
+    try:
+        _check_folder(path)
+        atomic_folder(path, fill_here)
+    except GpukitError as exc:
+        failure = exc
+    except OSError as exc:
+        failure = CheckpointError(
+            f"Cannot save {path}: {exc.strerror or exc}.", hint="Check the path and space."
+        )
+    if not sent:  # refused before the folder existed: join the others' collectives
+        dist.broadcast_object_list([None], src=0)
+        _first_failure(_attempt(fill, None, path))
+    return failure
 
 
 def _dcp_state(obj: object) -> dict[str, Any]:
@@ -184,12 +310,7 @@ def _dcp_state(obj: object) -> dict[str, Any]:
     if isinstance(obj, nn.Module):
         return dict(get_model_state_dict(obj))
     assert isinstance(obj, Mapping)
-    models = _modules(obj)
-    if len(models) != 1:
-        raise InvalidArgumentError(
-            f"gk.save got a dict with {len(models)} models; a sharded checkpoint holds one.",
-            hint="Save each model to its own folder.",
-        )
+    models = _modules(obj)  # one: save_sharded checked it
     state: dict[str, Any] = {}
     for key, value in obj.items():
         if isinstance(value, nn.Module):
@@ -204,13 +325,11 @@ def _dcp_state(obj: object) -> dict[str, Any]:
 
 
 def _save_dcp(obj: object, path: Path) -> None:
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     state = _dcp_state(obj)
 
     def fill(tmp: Path | None) -> None:
-        if tmp is not None:
-            dcp_save(state, checkpoint_id=tmp)
+        if tmp is not None:  # gpukit's one DCP writer, as for a training state's sharded part
+            write_dcp(tmp, state, target=path)
 
     _in_folder(path, fill)
 
@@ -309,47 +428,58 @@ def save_sharded(
     obj: object,
     path: Path,
     *,
+    layout: str,
+    shard_limit: int | None,
     metadata: Mapping[str, Any],
-    max_shard_size: int | str | None,
     save_file: Callable[..., Path],
 ) -> Path:
     """Save a sharded model (or a dict holding one) from every rank; see the module's summary.
 
-    ``save_file(state_dict, path, metadata=...)`` is gk.save itself, which rank 0 calls to
-    write the gathered weights as one file.
+    Args:
+        obj: the sharded model, or a dict holding it (with its optimizers and plain values).
+        path: where to write.
+        layout: what :func:`gpukit.checkpoint.api.save_layout` decided from ``path``:
+            ``"safetensors"`` or ``"torch"`` (one file of the full weights, gathered on rank
+            0), or ``"sharded safetensors"`` (a folder).
+        shard_limit: for a folder, the shard size asked for (Hugging Face's layout of the full
+            weights), or ``None`` (a DCP folder, each rank writing its own part).
+        metadata: JSON-ready values recorded with full weights.
+        save_file: gk.save itself, which rank 0 calls as ``save_file(state_dict, path,
+            metadata=...)`` to write the gathered weights as one file.
 
     Raises:
-        InvalidArgumentError: a dict asked of a one-file or safetensors layout, two models, or
-            metadata for a DCP folder (raised on every rank, before any collective).
-        CheckpointError: the target cannot be written (raised on every rank).
+        InvalidArgumentError: a dict asked of a one-file or exported layout, two models, or
+            metadata for a DCP folder (raised on every rank, before any rank waits).
+        CheckpointError: not every rank called this (raised on the ranks that did, within
+            :data:`JOIN_TIMEOUT`), or the target cannot be written (raised on every rank).
     """
-    names_a_file = path.suffix in _FILE_SUFFIXES
-    model_only = isinstance(obj, nn.Module)
-    if names_a_file or max_shard_size is not None:
-        if not model_only:
-            raise InvalidArgumentError(
-                f"gk.save got a dict holding a sharded model, and {path.name} asks for full "
-                "weights; only the model's weights are exported that way.",
-                hint="Save the dict to a folder (a DCP checkpoint, without max_shard_size), or "
-                "pass the model alone to export its weights.",
-            )
-        assert isinstance(obj, nn.Module)
-        if names_a_file and max_shard_size is not None:
-            raise InvalidArgumentError(
-                f"{path.name} names one file, and max_shard_size asks for a folder of shards.",
-                hint="Drop max_shard_size, or name the folder without a suffix.",
-            )
-        if names_a_file:
-            _save_file(obj, path, metadata, save_file)
-        else:
-            _export(obj, path, parse_shard_size(max_shard_size), metadata)
-        return path
-    if metadata:
+    full_weights = layout != _FOLDER or shard_limit is not None
+    if full_weights and not isinstance(obj, nn.Module):
+        raise InvalidArgumentError(
+            f"gk.save got a dict holding a sharded model, and {path.name} asks for full "
+            "weights; only the model's weights are exported that way.",
+            hint="Save the dict to a folder (a DCP checkpoint, without max_shard_size), or "
+            "pass the model alone to export its weights.",
+        )
+    if not full_weights and metadata:
         raise InvalidArgumentError(
             f"gk.save got metadata for {path.name}, a DCP folder, which has no place to keep it.",
             hint='Save it as an entry instead: gk.save({"model": model, "info": {...}}, path).',
         )
-    _save_dcp(obj, path)
+    if len(_modules(obj)) != 1:
+        raise InvalidArgumentError(
+            f"gk.save got a dict with {len(_modules(obj))} models; a sharded checkpoint holds one.",
+            hint="Save each model to its own folder.",
+        )
+    _join(obj, "gk.save")
+    if layout != _FOLDER:
+        assert isinstance(obj, nn.Module)
+        _save_file(obj, path, metadata, save_file)
+    elif shard_limit is not None:
+        assert isinstance(obj, nn.Module)
+        _export(obj, path, shard_limit, metadata)
+    else:
+        _save_dcp(obj, path)
     return path
 
 
@@ -427,9 +557,11 @@ def load_sharded(model: nn.Module, path: Path, *, strict: bool, trust: bool) -> 
     """Load a checkpoint into a sharded model, on every rank at once; see the module's summary.
 
     Raises:
-        CheckpointError: the checkpoint cannot be read or does not fit the model (with
-            ``strict``), raised on every rank.
+        CheckpointError: not every rank called this (raised on the ranks that did, within
+            :data:`JOIN_TIMEOUT`), or the checkpoint cannot be read or does not fit the model
+            (with ``strict``), raised on every rank.
     """
+    _join(model, "gk.load")
     dcp = (path.is_dir() and is_dcp_folder(path)) or (
         path.name == METADATA_NAME and is_dcp_folder(path.parent)
     )

@@ -2,10 +2,11 @@
 
 For a model sharded with FSDP2 the model's and the optimizer's state are DTensors holding this
 rank's rows (``get_state_dict``, the optimizer keyed by parameter names). :func:`write` saves them
-with torch.distributed.checkpoint into the save's ``sharded/`` folder: each rank writes its own
-shards into its own file and fsyncs it, and the coordinator (rank 0 of the save's group) writes
-``.metadata`` once every rank's file is written. Nothing is gathered: no rank holds more than its
-own shards, whatever the model's size.
+into the save's ``sharded/`` folder through the checkpoint layer's one DCP writer
+(:func:`gpukit.checkpoint.dcp.write_dcp`, which ``gk.save`` of a sharded model uses too): each
+rank writes its own shards into its own file and fsyncs it, and the coordinator (rank 0 of the
+save's group) writes ``.metadata`` once every rank's file is written. Nothing is gathered: no
+rank holds more than its own shards, whatever the model's size.
 
 :func:`read` fills the state dict this run builds (sharded over any number of processes, or a
 plain model) with the chunks each rank needs (DCP's planner reshards), through gpukit's checked
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpukit.checkpoint.dcp import open_dcp, write_dcp
 from gpukit.errors import CheckpointError
 
 __all__ = ["load_whole", "read", "sharded_state", "stager", "write"]
@@ -80,38 +82,19 @@ def _agree(ok: bool, group: Any) -> bool:
 def write(folder: Path, state: dict[str, Any], group: Any) -> None:
     """Save ``state`` into the DCP folder ``folder``: this rank's shards, on every rank at once.
 
-    Every data file and ``.metadata`` is fsynced (``sync_files``; the caller fsyncs the folder):
-    once this returns on any rank, every rank's shards and the metadata are written (DCP's last
-    step is the coordinator's ``.metadata``, after it heard from every rank).
+    The checkpoint layer's one DCP writer, :func:`gpukit.checkpoint.dcp.write_dcp`: every data
+    file, ``.metadata`` and the folder are fsynced; once this returns on any rank, every rank's
+    shards and the metadata are written.
+
+    Args:
+        folder: the save's ``sharded/`` folder, made by the caller.
+        state: this rank's shards (:func:`sharded_state`, or their staged copy).
+        group: the saves' own gloo group.
 
     Raises:
         CheckpointError: a rank could not write its part (raised on every rank).
     """
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    reason = ""
-    try:
-        writer = FileSystemWriter(folder, sync_files=True, overwrite=False)
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-    # Every rank enters DCP's collectives, or none does: a rank that cannot write is not waited for.
-    if not _agree(not reason, group):
-        raise CheckpointError(
-            f"Cannot write the sharded part {folder}: {reason or 'it failed on another rank'}.",
-            hint="Free space or fix the folder's permissions; the previous complete save is "
-            "still there.",
-        )
-    try:
-        alone = not dist.is_initialized()
-        dcp_save(state, storage_writer=writer, process_group=group, no_dist=alone)
-    except (Exception, CheckpointException) as exc:  # DCP raises a rank's failure on every rank
-        raise CheckpointError(
-            f"Cannot write the sharded part {folder}: {_first_line(exc)}.",
-            hint="Free space or fix the folder's permissions; the previous complete save is "
-            "still there.",
-        ) from None
+    write_dcp(folder, state, group=group)
 
 
 def read(folder: Path, model: nn.Module, optimizer: Any, group: Any) -> None:
@@ -127,8 +110,6 @@ def read(folder: Path, model: nn.Module, optimizer: Any, group: Any) -> None:
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from gpukit.checkpoint.dcp import open_dcp
 
     failure: CheckpointError | None = None
     try:
@@ -206,13 +187,3 @@ def _name(order: list[str | None], number: object) -> str:
     found = order[number]
     assert found is not None
     return found
-
-
-def _first_line(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
-            exc = inner[0]
-    text = (str(exc).splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

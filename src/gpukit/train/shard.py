@@ -30,13 +30,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+# The checkpoint layer's is_sharded, gpukit's one: prepare() and the training state import it here.
+from gpukit.checkpoint.sharded_model import is_sharded as is_sharded
+from gpukit.checkpoint.sharded_model import join_group
 from gpukit.errors import InvalidArgumentError
 
 __all__ = [
     "ShardPolicy",
     "WeightedReduceScatter",
     "blocks_to_shard",
-    "is_sharded",
     "mixed_precision",
     "repeated_blocks",
     "shard",
@@ -200,7 +202,9 @@ def shard(
     DTensors holding this rank's rows, and the model is moved to ``device``. Gradients are
     reduced as a sum weighted by ``weight()`` (see :class:`WeightedReduceScatter`). The
     optimizer must be built over the model's parameters *after* this call, or be handed the
-    sharded parameters (``distributed.prepare`` does that for you).
+    sharded parameters (``distributed.prepare`` does that for you). Sharded over the whole
+    job, the model also gets the gloo group its gk.save and gk.load meet in first
+    (:func:`gpukit.checkpoint.sharded_model.join_group`), made here while every rank is here.
 
     Raises:
         InvalidArgumentError: the model is sharded already, or ``policy`` is not a policy.
@@ -221,6 +225,8 @@ def shard(
             module.set_custom_reduce_scatter(plan.reduce_scatter)
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
+    if (group is None or group is dist.group.WORLD) and dist.get_world_size() > 1:
+        join_group(model)
     return model
 
 
@@ -273,8 +279,3 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str]) ->
             "the model cannot move them.",
             hint="Build the optimizer over model.parameters() of the model passed to prepare().",
         )
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` (or any module in it) was sharded with ``fully_shard``."""
-    return any(isinstance(m, FSDPModule) for m in model.modules())
