@@ -14,10 +14,16 @@ from pathlib import Path
 from types import FrameType
 
 import pytest
+import torch
+from torch import nn
 
 from gpukit.errors import InvalidArgumentError
+from gpukit.train import TrainingState, TrainStep
 from gpukit.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from tests.helpers import ROOT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import preempt_accumulate as work
 
 
 def _fake_scontrol(folder: Path, code: int = 0) -> Path:
@@ -147,6 +153,140 @@ def test_without_scontrol_the_exit_code_is_left_for_the_batch_script(tmp_path: P
             preemption.stop(None)
     assert stopped.value.requeue is not None
     assert "no scontrol" in stopped.value.requeue.reason
+
+
+@pytest.mark.parametrize(
+    "signals",
+    [
+        (signal.SIGUSR1, signal.SIGTERM),
+        (signal.SIGTERM, signal.SIGUSR1),
+        (signal.SIGUSR1, signal.SIGUSR1),
+    ],
+    ids=lambda s: "-then-".join(signal.Signals(n).name for n in s),
+)
+def test_two_signals_before_a_check_stop_once_and_a_requeue_signal_among_them_requeues_once(
+    tmp_path: Path, signals: tuple[int, int]
+) -> None:
+    bin_dir = work.fake_scontrol(tmp_path / "bin")
+    stops: list[int] = []
+    with Preemption(env={"SLURM_JOB_ID": "4242", "PATH": str(bin_dir)}) as preemption:
+        for step in range(10):
+            if step == 3:
+                for signum in signals:
+                    os.kill(os.getpid(), signum)
+            if preemption.should_stop():
+                stops.append(step)
+                with pytest.raises(Preempted) as stopped:
+                    preemption.stop(None)
+                break
+    assert stops == [3]
+    assert preemption.received is signal.SIGUSR1
+    assert stopped.value.code == PREEMPTED_EXIT_CODE
+    assert stopped.value.requeue is not None
+    assert stopped.value.requeue.done
+    assert (bin_dir / "calls").read_text().splitlines() == ["requeue 4242"]
+
+
+def test_two_stop_signals_without_a_requeue_signal_stop_once_without_a_requeue(
+    tmp_path: Path,
+) -> None:
+    bin_dir = work.fake_scontrol(tmp_path / "bin")
+    with Preemption(env={"SLURM_JOB_ID": "4242", "PATH": str(bin_dir)}) as preemption:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.should_stop()
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(None)
+    assert stopped.value.requeue is None
+    assert not (bin_dir / "calls").exists()
+
+
+def test_a_signal_during_the_save_is_only_noted_and_the_stop_happens_once(tmp_path: Path) -> None:
+    bin_dir = work.fake_scontrol(tmp_path / "bin")
+    saved: list[str] = []
+
+    def save() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # scancel's copy, or torchrun's, while saving
+        saved.append("saved")
+
+    with Preemption(env={"SLURM_JOB_ID": "4242", "PATH": str(bin_dir)}) as preemption:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.should_stop()
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(save)
+    assert saved == ["saved"]
+    assert stopped.value.code == PREEMPTED_EXIT_CODE
+    assert (bin_dir / "calls").read_text().splitlines() == ["requeue 4242"]
+
+
+def test_a_signal_between_micro_batches_stops_at_the_one_that_closes_the_step(
+    tmp_path: Path,
+) -> None:
+    # The documented loop, prepare(..., accumulate=2), signalled after the first micro-batch
+    # of the second optimizer step: the save must wait for the second.
+    bin_dir = work.fake_scontrol(tmp_path / "bin")
+    run = str(tmp_path / "run")
+    stopped = work.segment(0, run, str(bin_dir), signal_at=3, signalled=0)
+    assert stopped["stepped_at_signal"] == [False]  # the signal came between micro-batches
+    assert (stopped["micro"], stopped["stepped"], stopped["step"]) == (4, True, 2)
+    assert stopped["code"] == PREEMPTED_EXIT_CODE
+    assert stopped["requeue"] == (True, f"scontrol requeue {work.JOB_ID}")
+    assert (bin_dir / "calls").read_text().splitlines() == [f"requeue {work.JOB_ID}"]
+    resumed = work.segment(0, run)
+    whole = work.segment(0, str(tmp_path / "whole"))
+    assert resumed["resumed"] == 2
+    assert resumed["weights"] == whole["weights"]
+
+
+def _train(
+    micro_batches: int, train_step: TrainStep, signal_at: int, check: Preemption
+) -> list[bool]:
+    """Run ``micro_batches`` micro-batches through ``train_step``, signalling this process
+    after micro-batch ``signal_at``; what ``check.should_stop()`` answered after each."""
+    answers: list[bool] = []
+    model = train_step.model
+    for micro in range(micro_batches):
+        train_step(model(torch.ones(1, 2, dtype=torch.float64)).sum())
+        if micro == signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        answers.append(check.should_stop())
+        if answers[-1]:
+            break
+    return answers
+
+
+@pytest.mark.parametrize("given", ["training state", "training step"])
+def test_a_training_state_or_step_given_to_preemption_holds_its_stops_to_step_boundaries(
+    tmp_path: Path, given: str
+) -> None:
+    model = nn.Linear(2, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step = TrainStep(model, optimizer, accumulate=3)  # no loader: it counts calls
+    state = TrainingState(tmp_path, model=model, optimizer=optimizer, train_step=train_step)
+    source = state if given == "training state" else train_step
+    with state, Preemption(env={}, state=source) as preemption:
+        # Micro-batch 3 opens the second optimizer step; 5 closes it.
+        assert _train(9, train_step, 3, preemption) == [False] * 5 + [True]
+        with pytest.raises(Preempted) as stopped:
+            preemption.stop(state)
+    assert stopped.value.checks == 6
+    assert state.wait() is not None
+
+
+def test_stop_between_micro_batches_is_refused_before_anything_is_saved(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1).double()
+    train_step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    saved: list[str] = []
+    with Preemption(env={}, state=train_step) as preemption:
+        train_step(model(torch.ones(1, 2, dtype=torch.float64)).sum())  # 1 of 2
+        with pytest.raises(InvalidArgumentError, match="between the micro-batches"):
+            preemption.stop(lambda: saved.append("saved"))
+    assert saved == []
+
+
+def test_a_state_without_a_training_step_is_refused_when_made() -> None:
+    with pytest.raises(InvalidArgumentError, match="training step"):
+        Preemption(state=object())  # type: ignore[arg-type]
 
 
 def _mine(signum: int, frame: FrameType | None) -> None:

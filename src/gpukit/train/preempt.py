@@ -3,10 +3,10 @@
 A cluster that wants its GPUs back first sends a signal (Slurm's ``--signal=USR1@90``: SIGUSR1
 ninety seconds before the end; ``scancel`` and a time limit: SIGTERM), then kills. The signal
 handler here only notes that a signal came; nothing is saved inside it, where the training
-step may be half done. At each step boundary :meth:`Preemption.should_stop` asks every rank
-(one all-reduce of one number, MAX), so a signal to any rank stops all of them at the same
-step, and :meth:`Preemption.stop` saves, asks Slurm to requeue the job, and ends the process
-with :data:`PREEMPTED_EXIT_CODE`::
+step may be half done. At each check :meth:`Preemption.should_stop` asks every rank (one
+all-reduce, MAX), so a signal to any rank stops all of them at the same step, and
+:meth:`Preemption.stop` saves, asks Slurm to requeue the job, and ends the process with
+:data:`PREEMPTED_EXIT_CODE`::
 
     from gpukit.train import Preemption
 
@@ -23,12 +23,18 @@ back to the queue and, started again, resumes from the save. A stop caused by an
 cancelled job stays cancelled. Without ``scontrol`` the exit code (75, ``EX_TEMPFAIL``: "try
 again") is the batch script's to act on, or Slurm's own (``RequeueExit=75`` in slurm.conf).
 
+With gradient accumulation (``prepare(..., accumulate=K)``, ``dist.step(loss)`` per
+micro-batch) a check between the micro-batches of one optimizer step answers False: their
+accumulated gradients are in no save. The stop comes at the check after the micro-batch that
+closes the step, on every rank alike.
+
 What is promised: a signal that arrives at any moment, to any rank, between or during checks,
-is acted on at the next check, by every rank at that same check; the save runs in the training
-loop's thread, never in a signal handler; a process with no group (one process) is its own
-whole job. Not promised: anything about a signal that arrives after :meth:`~Preemption.close`,
-or about a rank that never reaches the next check (a hang, or a kill before it): what is saved
-then is the previous save.
+is acted on at the next check at an optimizer step's end, by every rank at that same check;
+the save runs in the training loop's thread, never in a signal handler; every rank reports
+what became of the requeue that rank 0 asked for; a process with no group (one process) is
+its own whole job. Not promised: anything about a signal that arrives after
+:meth:`~Preemption.close`, or about a rank that never reaches the next check (a hang, or a kill
+before it): what is saved then is the previous save.
 """
 
 from __future__ import annotations
@@ -41,12 +47,16 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 
 from gpukit.errors import InvalidArgumentError, check_bool
+from gpukit.train.context import current_context
+
+if TYPE_CHECKING:
+    from gpukit.train.state import TrainingState
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Preemption", "Requeue"]
 
@@ -65,9 +75,19 @@ class _Saves(Protocol):
     def save(self) -> object: ...
 
 
+class _Stepping(Protocol):
+    """A training step (``gk.train.TrainStep``): whether it is between micro-batches."""
+
+    @property
+    def mid_step(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Requeue:
-    """What became of the request to requeue the job: ``done`` and why not when it was not."""
+    """What became of the request to requeue the job: ``done``, and what was run or why not.
+
+    Rank 0 asks; every rank of the group reads what happened to rank 0's request.
+    """
 
     done: bool
     reason: str
@@ -77,7 +97,8 @@ class Preempted(SystemExit):
     """Raised by :meth:`Preemption.stop` once the state is saved: the process ends with
     :data:`PREEMPTED_EXIT_CODE` and no traceback unless caught. ``checks`` counts the
     :meth:`~Preemption.should_stop` calls up to the one that said stop (the same on every
-    rank); ``requeue`` says what became of the requeue, ``None`` when none was asked for."""
+    rank); ``requeue`` says what became of rank 0's request to requeue, the same on every
+    rank, ``None`` when none was asked for."""
 
     def __init__(self, checks: int, requeue: Requeue | None) -> None:
         super().__init__(PREEMPTED_EXIT_CODE)
@@ -94,6 +115,13 @@ class Preemption:
     when one is initialised, else none (this process alone). ``requeue=False`` never asks
     Slurm to requeue.
 
+    ``state`` is the training state (``gk.TrainingState``, whose training step is among its
+    parts) or the training step (``gk.train.TrainStep``) whose optimizer steps bound the
+    stops: :meth:`should_stop` answers False between the micro-batches of one step. Without
+    it, or when the state holds no training step, the step of the prepared loader that the
+    calling thread is iterating is used (``prepare(..., accumulate=K)``), and outside any such
+    loop every check is a step boundary.
+
     The handlers are installed by :meth:`install` (or ``with``) and the previous ones restored
     by :meth:`close`. Python runs signal handlers in the main thread only, so both must be
     called there. While they are installed, a stop signal no longer ends the process by
@@ -102,8 +130,9 @@ class Preemption:
 
     Raises:
         InvalidArgumentError: ``signals`` is empty or not signals, ``requeue_on`` names a
-            signal not in ``signals``, ``requeue`` is not a bool, or (from :meth:`install`)
-            not in the main thread.
+            signal not in ``signals``, ``requeue`` is not a bool, ``state`` is neither a
+            training state nor a training step, or (from :meth:`install`) not in the main
+            thread.
     """
 
     def __init__(
@@ -114,6 +143,7 @@ class Preemption:
         requeue: bool = True,
         group: dist.ProcessGroup | None = None,
         env: Mapping[str, str] | None = None,
+        state: TrainingState | _Stepping | None = None,
     ) -> None:
         self.signals = _signals(signals, "signals")
         if not self.signals:
@@ -134,6 +164,15 @@ class Preemption:
         self.requeue = requeue
         self.group = group
         self._env = env
+        if state is not None and not hasattr(state, "mid_step") and not _has_parts(state):
+            raise InvalidArgumentError(
+                f"Preemption(state=...) got a {type(state).__name__}, which is neither a "
+                "training state nor a training step, so the stops cannot wait for the end of "
+                "an optimizer step.",
+                hint="Pass the gk.TrainingState the loop saves, or its gk.train.TrainStep; "
+                "or leave state out in a loop over a prepared loader.",
+            )
+        self.state = state
         self.received: signal.Signals | None = None
         """The stop signal this process received: the first, or a requeue signal that came
         after it (``None``: none yet)."""
@@ -194,28 +233,41 @@ class Preemption:
     # --- the step boundary --------------------------------------------------------------------
 
     def should_stop(self) -> bool:
-        """True, on every rank alike, when any rank has received a stop signal.
+        """True, on every rank alike, when any rank has received a stop signal and no rank is
+        between the micro-batches of an optimizer step.
 
-        Call it at a step boundary, on every rank, the same number of times: it is one
-        all-reduce (MAX) of one number over the group. A signal that arrives during the call is
-        answered by the next call.
+        Call it on every rank, the same number of times, after each step or micro-batch: it is
+        one all-reduce (MAX) of two numbers over the group (this rank's wish, and whether it is
+        mid-step), so the answer is the same on every rank. A signal that arrives during the
+        call, or between micro-batches, is answered at the next call that ends a step.
         """
         self.checks += 1
-        self._agreed = self._agree(self._wish())
-        return self._agreed != _NONE
+        self._agreed, anyone_mid_step = self._agree(self._wish(), self._mid_step())
+        return self._agreed != _NONE and not anyone_mid_step
 
     def stop(self, save: Callable[[], object] | _Saves | None) -> NoReturn:
         """Save, requeue the job if a requeue signal stopped it, and raise :class:`Preempted`.
 
         ``save`` is a callable or an object with a ``save()`` method (the training state, whose
         asynchronous save is waited for), run on every rank in this (the loop's) thread; ``None``
-        saves nothing. Every rank must call
-        this after :meth:`should_stop` said True, so that the save and the requeue happen once
-        for the whole job.
+        saves nothing. Every rank must call this after :meth:`should_stop` said True, so that
+        the save and the requeue happen once for the whole job: once every rank has saved, rank
+        0 asks Slurm to requeue and tells every rank what came of it (:attr:`Preempted.requeue`).
 
         Raises:
-            Preempted: always, after saving: ``SystemExit(75)``.
+            InvalidArgumentError: called between the micro-batches of an optimizer step (which
+                :meth:`should_stop` never answers True in), before anything is saved.
+            Preempted: otherwise, after saving: ``SystemExit(75)``.
         """
+        if save is not None and _mid_step(self._train_step() or _train_step_of(save)):
+            # Refused here, on every rank alike (all are at the same micro-batch), rather than
+            # by rank 0's save alone while the others wait for it at the save's meeting.
+            raise InvalidArgumentError(
+                "Preemption.stop() was called between the micro-batches of an optimizer step: "
+                "a save now would lose their accumulated gradients.",
+                hint="Call stop() when should_stop() said True, which it says only once the "
+                "step's last micro-batch is done (dist.step(...) returned True).",
+            )
         if callable(save):
             save()
         elif save is not None:
@@ -228,9 +280,12 @@ class Preemption:
         if group is not None:
             dist.barrier(group=group)  # every rank's part is written before the job is requeued
         requeue = None
-        if self._agreed == _REQUEUE and self.requeue:
+        if self._agreed == _REQUEUE:
             rank = 0 if group is None else dist.get_rank(group)
-            requeue = _requeue(self._env) if rank == 0 else Requeue(False, "asked by rank 0")
+            if rank == 0 and self.requeue:
+                requeue = _requeue(self._env)
+            if group is not None:
+                requeue = _told_by_rank_0(requeue, group)
         raise Preempted(self.checks, requeue)
 
     def _wish(self) -> int:
@@ -246,19 +301,62 @@ class Preemption:
             return dist.group.WORLD
         return None
 
-    def _agree(self, wish: int) -> int:
+    def _train_step(self) -> _Stepping | None:
+        """The training step whose window bounds the stops (see the class's ``state``)."""
+        given = _train_step_of(self.state)
+        if given is not None:
+            return given
+        context = current_context(with_step=True)
+        return None if context is None else _train_step_of(context.train_step)
+
+    def _mid_step(self) -> bool:
+        return _mid_step(self._train_step())
+
+    def _agree(self, wish: int, mid_step: bool) -> tuple[int, bool]:
+        """The group's strongest wish, and whether any rank is between micro-batches."""
         group = self._group()
         if group is None:
-            return wish
+            return wish, mid_step
         if self._flag is None:
             backend = dist.get_backend(group)
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
             )
-            self._flag = torch.zeros((), dtype=torch.int32, device=device)
-        self._flag.fill_(wish)
+            self._flag = torch.zeros(2, dtype=torch.int32, device=device)
+        self._flag.copy_(torch.tensor([wish, int(mid_step)], dtype=torch.int32))
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group)
-        return int(self._flag.item())
+        agreed, anyone_mid_step = self._flag.tolist()
+        return int(agreed), bool(anyone_mid_step)
+
+
+def _has_parts(source: object) -> bool:
+    return isinstance(getattr(source, "parts", None), Mapping)
+
+
+def _train_step_of(source: object) -> _Stepping | None:
+    """``source`` itself when it is a training step, else the training step among its
+    ``parts`` (a ``gk.TrainingState``'s), else None."""
+    if hasattr(source, "mid_step"):
+        return source
+    parts = getattr(source, "parts", None)
+    if isinstance(parts, Mapping):
+        found: _Stepping | None = next((p for p in parts.values() if hasattr(p, "mid_step")), None)
+        return found
+    return None
+
+
+def _mid_step(train_step: _Stepping | None) -> bool:
+    return train_step is not None and bool(train_step.mid_step)
+
+
+def _told_by_rank_0(requeue: Requeue | None, group: dist.ProcessGroup) -> Requeue | None:
+    """What became of rank 0's requeue, on every rank of ``group`` (rank 0 passes its own)."""
+    said: list[Any] = [None if requeue is None else [requeue.done, requeue.reason]]
+    dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0), group=group)
+    if said[0] is None:
+        return None
+    done, reason = said[0]
+    return Requeue(bool(done), str(reason))
 
 
 def _signals(values: Iterable[int], name: str) -> tuple[signal.Signals, ...]:
