@@ -797,3 +797,16 @@ def test_any_hostile_part_with_a_matching_digest_is_loaded_or_refused_typed(
     assert 0 <= state.step < 1 << 63
     np.random.random(2000)
     torch.rand(3)
+
+
+def test_a_marker_whose_step_disagrees_with_its_folder_name_is_passed_over(
+    tmp_path: Path,
+) -> None:
+    older, newer = _save(tmp_path, [1, 2])
+    marker = json.loads((older / saves.MARKER).read_text())
+    marker["step"] = 7  # one changed digit would make the older save the newest for good
+    (older / saves.MARKER).write_text(json.dumps(marker))
+    resumed, _ = _resume(tmp_path)
+    assert resumed is not None
+    assert resumed.path == newer
+    assert any("its marker says step 7, its name step 1" in line for line in resumed.passed_over)

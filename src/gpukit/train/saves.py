@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from gpukit import untrusted
+from gpukit.checkpoint import atomic as _atomic
 from gpukit.checkpoint import digests as _digests
 from gpukit.checkpoint.atomic import atomic_write, write_durable
 from gpukit.checkpoint.digests import digest
@@ -117,14 +118,9 @@ def rank_file(rank: int) -> str:
 
 
 def fsync_folder(folder: Path) -> None:
-    """Make the entries of ``folder`` (files created, renamed in) durable (POSIX)."""
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Make the entries of ``folder`` (files created, renamed in) durable: the checkpoint
+    layer's one folder fsync, :func:`gpukit.checkpoint.atomic.fsync_folder`."""
+    _atomic.fsync_folder(folder)
 
 
 def write_part(folder: Path, name: str, write: Callable[[BinaryIO], object]) -> None:
@@ -230,6 +226,11 @@ def _checked_marker(folder: Path) -> SaveInfo:
         if found.get("format") != FORMAT:
             raise untrusted.InvalidInput(f"its format is not {FORMAT}")
         step = untrusted.as_int(found.get("step"), high=_MAX_STEP, what="step")
+        named = _NAME.match(folder.name)
+        if named is not None and int(named.group(1)) != step:  # the name is the save's own word
+            raise untrusted.InvalidInput(
+                f"its marker says step {step}, its name step {int(named.group(1))}"
+            )
         world = untrusted.as_int(found.get("world_size"), low=1, high=_MAX_RANKS, what="world")
         files = untrusted.as_dict(found.get("files"), limit=2 * world + 2, what="files")
         if len(files) < world + 1:  # checked before a name is built for each of ``world``
