@@ -614,9 +614,12 @@ class Matrix:
 
     def __init__(self, work: Path) -> None:
         self.work = work
+        # What this process ran before the matrix (a test session's clusters, say) is not
+        # the faults' to count, nor to kill.
+        before = set(descendants())
         self.zygote = Zygote()
         self.reference = Reference(self.zygote, work)
-        self.leftovers = Leftovers({self.zygote.process.pid})
+        self.leftovers = Leftovers({*before, self.zygote.process.pid})
         self.mount = can_mount()
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -58,8 +59,21 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     bench = _bench()
     faults = bench.plan_faults(SAMPLE, 7, MIX, can_mount=bench.can_mount())
     work = tmp_path_factory.mktemp("faults")
-    records, summary = bench.run_matrix(faults, work)
-    return {"records": records, "summary": summary, "digests": _saves_have_digests(work)}
+    # A process of this session's own, started before the matrix (as a cluster fixture's
+    # daemons are): not the faults' to count or to kill.
+    bystander = subprocess.Popen(["sleep", "600"])
+    try:
+        records, summary = bench.run_matrix(faults, work)
+        bystander_alive = bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+    return {
+        "records": records,
+        "summary": summary,
+        "digests": _saves_have_digests(work),
+        "bystander_alive": bystander_alive,
+    }
 
 
 def _saves_have_digests(work: Path) -> bool:
@@ -113,3 +127,9 @@ def test_no_save_is_lost_beyond_the_last_complete_one(matrix: dict[str, Any]) ->
 def test_no_process_is_left_behind(matrix: dict[str, Any]) -> None:
     left = [r for r in matrix["records"] if r.left_behind]
     assert not left, _said(left, "leftovers")
+
+
+def test_processes_started_before_the_matrix_are_neither_counted_nor_killed(
+    matrix: dict[str, Any],
+) -> None:
+    assert matrix["bystander_alive"]
