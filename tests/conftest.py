@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -99,6 +100,58 @@ def _restore_torch_switches() -> Iterator[None]:
     torch.set_default_dtype(dtype)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@functools.cache
+def _real_cuda_devices() -> int:
+    """The CUDA devices torch counts here (through NVML: the driver is not started)."""
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def _shown_no_cuda(item: pytest.Item) -> bool:
+    """Whether ``item`` runs as on a machine without CUDA although this one has some."""
+    return _real_cuda_devices() > 0 and item.get_closest_marker("gpu") is None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Show a ``cpu_workers`` test's processes no GPU, those of module fixtures included."""
+    hide = _shown_no_cuda(item) and item.get_closest_marker("cpu_workers") is not None
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        return (yield)
+    finally:
+        if hide and saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        elif hide and saved is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+@pytest.fixture(autouse=True)
+def _a_machine_without_cuda(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _no_inherited_grant: None
+) -> None:
+    """Show every test not marked ``gpu`` the machine it was written for: one without CUDA.
+
+    The suite states what gpukit does on a CPU machine: ``device("auto")`` is the CPU, a model
+    ``prepare`` moves stays comparable with CPU tensors, ``launch(fn, 2)`` runs gloo on the CPU.
+    On a GPU machine torch would answer otherwise for tests that never meant to ask it; this
+    makes it answer as on the CPU machine, and the tests marked ``gpu`` see the GPUs. A test
+    marked ``cpu_workers`` starts processes of its own, which are shown no GPU either
+    (``CUDA_VISIBLE_DEVICES`` empty). Where torch counts no CUDA device this does nothing.
+    """
+    if not _shown_no_cuda(request.node):
+        return
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    if request.node.get_closest_marker("cpu_workers") is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture

@@ -12,6 +12,9 @@ import gpukit as gk
 from gpukit.errors import DeviceError, MixedDevicesError
 from tests.helpers import run_python
 
+# torch's own count, kept before a fixture of the suite can replace it on a GPU machine.
+_TORCH_DEVICE_COUNT = torch.cuda.device_count
+
 
 @pytest.fixture
 def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,6 +199,8 @@ def nvml_counts(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[str]]:
     started: list[str] = []
 
     def set_count(n: int) -> list[str]:
+        monkeypatch.setattr(torch.cuda, "device_count", _TORCH_DEVICE_COUNT)
+        monkeypatch.setattr(torch.cuda, "_cached_device_count", None, raising=False)
         monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
         monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: n)
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)

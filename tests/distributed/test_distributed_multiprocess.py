@@ -22,7 +22,8 @@ import pytest
 from gpukit.distributed.launcher import free_port
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.slow
+# Its workers train on the CPU with gloo, on a GPU machine too.
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_workers]
 
 SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 LAUNCH_VARS = (

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# Its workers train on the CPU with gloo, on a GPU machine too.
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_workers]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

@@ -23,7 +23,8 @@ from gpukit.distributed import launch
 from gpukit.train import saves
 from tests.train import workload
 
-pytestmark = pytest.mark.slow
+# Its workers train on the CPU with gloo, on a GPU machine too.
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_workers]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "run_and_report.py"

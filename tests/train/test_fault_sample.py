@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# Its workers train on the CPU with gloo, on a GPU machine too.
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_workers]
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = 30

@@ -16,7 +16,8 @@ import pytest
 from tests.helpers.two_processes import OtherRank, two_processes
 from tests.train import shard_workloads as work
 
-pytestmark = pytest.mark.slow
+# Its workers train on the CPU with gloo, on a GPU machine too.
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_workers]
 
 
 @pytest.fixture(scope="module")
