@@ -150,6 +150,29 @@ def test_run_without_a_driver_exits_3(run_cli: CliRunner, locks: Path) -> None:
     done = run_cli("run", "--", "true", env=dict(_env(locks, MACHINES / "no-driver.json")))
     assert done.returncode == 3
     assert "No NVIDIA driver" in done.stderr
+    assert "add --cpu-ok (gpukit run --cpu-ok -- CMD)" in done.stderr
+
+
+def test_a_ddp_run_without_a_driver_names_the_cpu_ok_way_to_run_it(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    env = dict(_env(locks, MACHINES / "no-driver.json"))
+    done = run_cli("run", "--ddp", "-n", "2", "--", *_py("pass"), env=env)
+    assert done.returncode == 3
+    assert "add --cpu-ok (gpukit run --ddp --cpu-ok -n N -- CMD)" in done.stderr
+
+
+def test_a_cpu_ok_ddp_run_says_one_line_of_its_own_and_no_torchrun_banner(
+    run_cli: CliRunner, locks: Path
+) -> None:
+    env = {**_env(locks, MACHINES / "no-driver.json"), "OMP_NUM_THREADS": None}
+    show = "import os; print(os.environ['OMP_NUM_THREADS'])"
+    done = run_cli("run", "--ddp", "--cpu-ok", "-n", "2", "--", *_py(show), env=env)
+    assert (done.returncode, done.stdout) == (0, "1\n1\n")
+    said = [line for line in done.stderr.splitlines() if "GPUKIT_FAKE_NVML" not in line]
+    assert said == [
+        "gpukit run: no NVIDIA driver; running on the CPU (--cpu-ok, CUDA_VISIBLE_DEVICES='')."
+    ]
 
 
 def test_run_cpu_ok_runs_on_the_cpu_without_a_driver_and_says_so(

@@ -169,14 +169,17 @@ def _say_leftovers(pids: list[int]) -> None:
     )
 
 
-def _cpu_only(args: argparse.Namespace, argv: list[str], reason: NoDriverError) -> int:
+def _cpu_only(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run on the CPU, as --cpu-ok asks where no driver is: one line says so, nothing more."""
     print(
-        f"gpukit run: {reason.message} --cpu-ok: running the command on the CPU "
-        "(CUDA_VISIBLE_DEVICES='').",
+        "gpukit run: no NVIDIA driver; running on the CPU (--cpu-ok, CUDA_VISIBLE_DEVICES='').",
         file=sys.stderr,
         flush=True,
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    if args.ddp and args.gpus > 1:
+        # torchrun's own choice for several processes, made here so that it prints no banner.
+        env.setdefault("OMP_NUM_THREADS", "1")
     return supervise(
         argv, ddp_env(args.torchrun_arg, env) if args.ddp else env, on_leftovers=_say_leftovers
     )
@@ -221,8 +224,15 @@ def run(args: argparse.Namespace) -> int:
         machine = inventory()
     except NoDriverError as exc:
         if args.cpu_ok:
-            return _cpu_only(args, argv, exc)
-        raise
+            return _cpu_only(args, argv)
+        cpu = "run the command on the CPU instead: add --cpu-ok " + (
+            "(gpukit run --ddp --cpu-ok -n N -- CMD)."
+            if args.ddp
+            else "(gpukit run --cpu-ok -- CMD)."
+        )
+        raise NoDriverError(
+            exc.message, hint=f"{exc.hint} Or {cpu}" if exc.hint else cpu.capitalize()
+        ) from exc
     folder = lock_folder()
     policy = load_policy(folder)
     # A co-user's policy.toml: not a policy, but the administrator may want to know.
