@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.distributed.torchrun_agent import workers_exit_code
+from gpukit.distributed.torchrun_agent import how_workers_ended, workers_exit_code
 from gpukit.train.preempt import PREEMPTED_EXIT_CODE
 from tests.helpers import MACHINES, CliRunner, subprocess_env
 
@@ -87,6 +87,57 @@ def test_a_worker_killed_before_any_other_failed_gives_the_signals_code() -> Non
     assert workers_exit_code({0: _Failure(-9, 10), 1: _Failure(75, 11)}) == 137
 
 
+def test_the_line_of_how_workers_ended_tells_the_first_failure_from_torchruns_stopping() -> None:
+    failures = {0: _Failure(-signal.SIGTERM, 11), 1: _Failure(3, 11), 2: _Failure(-9, 10)}
+    assert how_workers_ended(failures) == (
+        "rank 0 was stopped (SIGTERM), rank 1 exited 3, rank 2 was killed by SIGKILL"
+    )
+    assert how_workers_ended({0: _Failure(-signal.SIGTERM, 4)}) == "rank 0 was killed by SIGTERM"
+
+
+# Every rank raises a gpukit refusal, or (argv: "other") an exception of another kind.
+_REFUSING = """
+import sys
+import gpukit as gk
+from gpukit.errors import InvalidArgumentError
+gk.distributed.init()
+if sys.argv[1:] == ["other"]:
+    raise ValueError("not gpukit's")
+raise InvalidArgumentError("a global batch of 32 cannot be split over 3 processes.",
+                           hint="Use a global batch divisible by 3.")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["refusal", "other", "traceback asked for"])
+def test_a_refusal_on_every_rank_is_one_line_each_and_anything_else_keeps_its_traceback(
+    run_cli: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    script = tmp_path / "refuse.py"
+    script.write_text(_REFUSING)
+    env: dict[str, str | None] = {
+        "GPUKIT_FAKE_NVML": str(MACHINES / "no-driver.json"),
+        "MASTER_ADDR": None,
+        "MASTER_PORT": None,
+        "GPUKIT_TRACEBACK": "1" if kind == "traceback asked for" else None,
+    }
+    argv = [sys.executable, str(script), *(["other"] if kind == "other" else [])]
+    done = run_cli("run", "--ddp", "--cpu-ok", "-n", "2", "--", *argv, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    refusals = [line for line in done.stderr.splitlines() if "cannot be split" in line]
+    if kind == "refusal":
+        assert "Traceback" not in done.stderr
+        assert sorted(refusals) == [
+            f"[rank{rank}]: gpukit: InvalidArgumentError: a global batch of 32 cannot be split "
+            "over 3 processes. Use a global batch divisible by 3."
+            for rank in (0, 1)
+        ]
+    else:
+        assert "Traceback" in done.stderr
+    assert "Root Cause" not in done.stderr
+    assert "exited 1" in done.stderr
+
+
 def _ddp_run(run_cli: CliRunner, tmp_path: Path, codes: str, delays: str) -> tuple[int, str]:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
@@ -116,7 +167,8 @@ def test_workers_own_exit_code_is_the_runs(run_cli: CliRunner, tmp_path: Path) -
     code, err = _ddp_run(run_cli, tmp_path, "3,3", "0,0")
     assert code == 3, err[-3000:]
     assert "Traceback" not in err
-    assert "exitcode  : 3" in err  # torchrun's own report of the failure stays
+    assert "rank 0 exited 3" in err or "rank 1 exited 3" in err
+    assert "Root Cause" not in err  # torchrun's report of each failure: said in one line
 
 
 @pytest.mark.slow

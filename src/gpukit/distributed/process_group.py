@@ -10,6 +10,8 @@ import atexit
 import datetime
 import gc
 import logging
+import os
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,7 +28,7 @@ from torch.optim import Optimizer
 
 from gpukit.devices import device as _auto_device
 from gpukit.distributed.environment import Environment, check_local_ranks_fit, environment
-from gpukit.errors import DistributedError, InvalidArgumentError
+from gpukit.errors import DistributedError, GpukitError, InvalidArgumentError
 
 T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
@@ -143,6 +145,7 @@ def init(
     if not launch_env.launched:
         _context = DistributedContext(0, 0, 1, 1, None, _auto_device("auto"))
         return _context
+    _refusals_in_one_line()
     chosen, dev = _pick(launch_env, backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -164,6 +167,29 @@ def init(
         dev,
     )
     return _context
+
+
+def _refusals_in_one_line() -> None:
+    """Have an uncaught gpukit error end this launched process with one line, not a traceback.
+
+    A refusal (a batch the processes cannot split, a save that cannot be resumed here) is
+    raised on every rank alike: its message and hint say what to do, and W tracebacks of it
+    buried them. Any other exception keeps its traceback, and ``GPUKIT_TRACEBACK=1`` gives
+    gpukit's errors theirs back.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "gpukit_one_line", False):
+        return
+
+    def one_line(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, GpukitError) and os.environ.get("GPUKIT_TRACEBACK", "") in ("", "0"):
+            # torchrun and srun --label put the rank before each line of a worker's output.
+            print(f"gpukit: {kind.__name__}: {value}", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, tb)
+
+    one_line.gpukit_one_line = True  # type: ignore[attr-defined]
+    sys.excepthook = one_line
 
 
 # The DistributedDataParallel wrappers prepare() made, let go of the group when it is left.

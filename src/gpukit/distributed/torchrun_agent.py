@@ -26,6 +26,7 @@ agent has no ``_terminate_process_handler`` this is torchrun unchanged.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -38,7 +39,7 @@ from gpukit.supervise import children
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-__all__ = ["WorkerFailure", "main", "workers_exit_code"]
+__all__ = ["WorkerFailure", "how_workers_ended", "main", "workers_exit_code"]
 
 
 class WorkerFailure(Protocol):
@@ -152,12 +153,51 @@ def _failed(exc: ChildFailedError) -> int:
         return _preempted(code)
     preempted = any(f.exitcode == PREEMPTED_EXIT_CODE for f in exc.failures.values())
     aside = f" for a reason other than preemption (exit {PREEMPTED_EXIT_CODE})" if preempted else ""
-    print(exc, file=sys.stderr)  # torchrun's report of each failed worker
     print(
-        f"gpukit run: exit {code}, the code of the first worker that failed{aside}.",
+        f"gpukit run: {how_workers_ended(exc.failures)}; exit {code}, the code of the first "
+        f"worker that failed{aside}.",
         file=sys.stderr,
     )
     return code
+
+
+def _not_a_failed_worker(record: logging.LogRecord) -> bool:
+    """False for torchrun's log lines of a failed worker and of its stopping the others: the
+    line of :func:`how_workers_ended` says both."""
+    message = str(record.msg)
+    return not message.startswith(("failed (exitcode", "Sending process"))
+
+
+def how_workers_ended(failures: Mapping[int, WorkerFailure]) -> str:
+    """One line for torchrun's report of its failed workers: what each worker said is in its
+    own output, above.
+
+    Args:
+        failures: torchrun's failures, by global rank.
+
+    >>> from types import SimpleNamespace as Failure
+    >>> how_workers_ended({1: Failure(exitcode=-9, timestamp=1), 0: Failure(exitcode=3,
+    ...     timestamp=2), 2: Failure(exitcode=-15, timestamp=2)})
+    'rank 0 exited 3, rank 1 was killed by SIGKILL, rank 2 was stopped (SIGTERM)'
+    """
+    # When a worker has failed on its own, torchrun stops the rest with SIGTERM, then SIGKILL.
+    own = [f.timestamp for f in failures.values() if f.exitcode not in _STOPPED_BY_TORCHRUN]
+    first = min(own, default=None)
+    said = []
+    for rank, failure in sorted(failures.items()):
+        code = failure.exitcode
+        if code >= 0:
+            said.append(f"rank {rank} exited {code}")
+            continue
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        if code in _STOPPED_BY_TORCHRUN and first is not None and failure.timestamp >= first:
+            said.append(f"rank {rank} was stopped ({name})")
+        else:
+            said.append(f"rank {rank} was killed by {name}")
+    return ", ".join(said)
 
 
 def main() -> int:
@@ -179,6 +219,8 @@ def main() -> int:
         # The agent installs its handler by this module-level name when it starts the workers.
         api._terminate_process_handler = handler
     started = _record_workers()
+    # The agent logs each failed worker, then reports them all: said once here, in one line.
+    logging.getLogger(api.__name__).addFilter(_not_a_failed_worker)
     try:
         torchrun()
     except api.SignalException as exc:
