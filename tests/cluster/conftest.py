@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -49,15 +49,13 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def cluster_folder() -> Iterator[Path]:
+def cluster_folder(request: pytest.FixtureRequest) -> Iterator[Path]:
     """A folder for the daemons' keys, sockets, configuration and logs (root's alone)."""
     reason = available()
     if reason:
         pytest.skip(reason)
     folder = Path(tempfile.mkdtemp(prefix="gpukit-slurm-"))
-    # A test run told to stop (SIGTERM: a CI timeout, `kill`) stops as after Ctrl-C, so that
-    # the fixtures' teardown stops the daemons.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _stopper(request.session))
     try:
         yield folder
     finally:
@@ -65,8 +63,22 @@ def cluster_folder() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _stopper(session: pytest.Session) -> Callable[[int, FrameType | None], None]:
+    """A SIGTERM handler that stops a test run told to stop (a CI timeout, `kill`), so that the
+    fixtures' teardown stops the daemons.
+
+    It interrupts the test at hand, as Ctrl-C would, and tells pytest to run no further test:
+    an interrupt raised where Python cannot pass it on (in a garbage collector's callback, a
+    ``__del__``) is printed and dropped, and the run would go on. A second SIGTERM ends the
+    run at once.
+    """
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        session.shouldstop = f"signal {signum}"
+        signal.signal(signum, signal.SIG_DFL)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return stop
 
 
 @pytest.fixture(scope="session")
