@@ -191,6 +191,23 @@ def test_importing_every_gpus_and_sharing_module_leaves_torch_unloaded() -> None
     assert out.strip() == "False"
 
 
+def test_a_script_that_prepares_and_steps_loads_no_save_and_no_checkpoint_code() -> None:
+    out = run_python(
+        "import sys\n"
+        "from gpukit.distributed import prepare, step\n"
+        "from gpukit.train import TrainStep\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gpukit.')))"
+    )
+    loaded = set(ast.literal_eval(out.strip()))
+    heavy = sorted(
+        name
+        for name in loaded
+        if (name.startswith("gpukit.checkpoint.") and name != "gpukit.checkpoint.dtensor")
+        or name in ("gpukit.train.state", "gpukit.train.saves", "gpukit.train.preempt")
+    )
+    assert heavy == []
+
+
 @pytest.mark.parametrize("path", sorted((SRC / "cli").glob("*.py")), ids=lambda p: p.name)
 def test_cli_uses_no_private_module_and_no_other_command(path: Path) -> None:
     commands = {p.stem for p in (SRC / "cli").glob("*.py") if not p.stem.startswith("_")}

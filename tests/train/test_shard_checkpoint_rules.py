@@ -17,7 +17,8 @@ import torch.distributed as tdist
 from torch import nn
 
 import gpukit as gk
-from gpukit.checkpoint.sharded_model import is_sharded, save_sharded
+from gpukit.checkpoint.dtensor import is_sharded
+from gpukit.checkpoint.sharded_model import save_sharded
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.shard import shard
 from tests.train import shard_workloads as work

@@ -25,6 +25,7 @@ from torch import nn
 
 from gpukit import __version__, _tree
 from gpukit.checkpoint.atomic import atomic_folder, atomic_write, write_durable
+from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.checkpoint.keys import (
     clean_keys,
     copy_metadata,
@@ -42,7 +43,7 @@ from gpukit.checkpoint.plan import plan_source, tied_groups
 from gpukit.checkpoint.report import LoadReport
 from gpukit.checkpoint.safetensors_format import write_safetensors
 from gpukit.checkpoint.sharded import SAFETENSORS_INDEX, write_shards
-from gpukit.checkpoint.sharded_model import is_sharded, load_sharded, save_sharded
+from gpukit.checkpoint.sharded_model import load_sharded, save_sharded
 from gpukit.checkpoint.single_file import SAFETENSORS, suffix_format
 from gpukit.checkpoint.source import StoredObject
 from gpukit.devices import DeviceLike, device, module_device

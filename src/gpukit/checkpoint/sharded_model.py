@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -52,6 +51,8 @@ from torch import nn
 from gpukit import __version__
 from gpukit.checkpoint.atomic import atomic_folder, write_durable
 from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder, write_dcp
+from gpukit.checkpoint.dtensor import dtensor_type as _dtensor_type
+from gpukit.checkpoint.dtensor import models_in as _modules
 from gpukit.checkpoint.keys import clean_keys, unwrap
 from gpukit.checkpoint.layout import open_source
 from gpukit.checkpoint.paths import check_output_folder, make_parents, parents_to_make
@@ -68,7 +69,7 @@ from gpukit.errors import (
 )
 from gpukit.untrusted import printable
 
-__all__ = ["JOIN_TIMEOUT", "is_sharded", "join_group", "load_sharded", "save_sharded"]
+__all__ = ["JOIN_TIMEOUT", "join_group", "load_sharded", "save_sharded"]
 
 T = TypeVar("T")
 _DCP_DATA = re.compile(r"^__\d+_\d+\.distcp$")
@@ -80,44 +81,6 @@ JOIN_TIMEOUT = timedelta(seconds=60)
 
 Long enough for ranks that leave the same training step at different times, short enough that
 a call on rank 0 alone fails with an error that says what to do instead of hanging."""
-
-
-def _dtensor_type() -> type | None:
-    # No DTensor can exist before torch.distributed.tensor is imported: a plain save does not
-    # pay for importing it.
-    if "torch.distributed.tensor" not in sys.modules:
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def _modules(obj: object) -> list[nn.Module]:
-    if isinstance(obj, nn.Module):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [v for v in obj.values() if isinstance(v, nn.Module)]
-    return []
-
-
-def is_sharded(obj: object) -> bool:
-    """Whether ``obj`` is a model sharded over processes, or a dict that holds one.
-
-    A model is sharded when any of its parameters is a DTensor (``fully_shard``, FSDP2, makes
-    every parameter of the modules it wraps one); gpukit's one answer to that question, for
-    saving, loading, the training state and ``prepare``. It never imports torch's DTensor
-    module itself (a plain save does not pay for it): no DTensor exists before that module.
-
-    >>> is_sharded(torch.nn.Linear(2, 2))
-    False
-
-    Args:
-        obj: anything; a module, or a dict of modules and other values, may be sharded.
-    """
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return False
-    return any(isinstance(p, dtensor) for m in _modules(obj) for p in m.parameters())
 
 
 _JOIN_GROUPS: WeakKeyDictionary[nn.Module, tuple[Any, Any]] = WeakKeyDictionary()

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.distributed.batch_sizes import micro_batches
 from gpukit.distributed.data import DistributedLoader, SampleWeights, weighted_allreduce
 from gpukit.distributed.position import checked_seed
@@ -17,7 +18,7 @@ from gpukit.distributed.process_group import DistributedContext, _leave_with_the
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.context import StepContext
 from gpukit.train.precision import autocast_forward, resolve_precision
-from gpukit.train.shard import ShardPolicy, is_sharded, shard_model
+from gpukit.train.shard import ShardPolicy, shard_model
 from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 

@@ -30,9 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-# The checkpoint layer's is_sharded, gpukit's one: prepare() and the training state import it here.
-from gpukit.checkpoint.sharded_model import is_sharded as is_sharded
-from gpukit.checkpoint.sharded_model import join_group
+from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.errors import InvalidArgumentError
 
 __all__ = [
@@ -226,6 +224,8 @@ def shard(
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
     if (group is None or group is dist.group.WORLD) and dist.get_world_size() > 1:
+        from gpukit.checkpoint.sharded_model import join_group  # only for a sharded model
+
         join_group(model)
     return model
 

@@ -56,12 +56,12 @@ import gpukit.train._sharded_part as _sharded_part
 import gpukit.train.rng as rng
 import gpukit.train.saves as saves
 from gpukit import _tree
+from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError, check_bool
 from gpukit.train._staging import Stager, check_plain, is_stateful
 from gpukit.train._writing import SaveJob
 from gpukit.train.contents import check_optimizer_state, check_scheduler_state
-from gpukit.train.shard import is_sharded
 from gpukit.untrusted import InvalidInput
 
 __all__ = ["Resumed", "TrainingState"]
