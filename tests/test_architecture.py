@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("untrusted", "sizes", "holders"),
     ("gpus",),  # below devices: devices.py asks gpus/visible.py whether CUDA has started
     ("sharing",),
-    ("devices", "_tree"),
+    ("devices", "_tree", "_agree"),
     ("transfer", "repro", "sysinfo", "supervise"),  # supervise: processes, not GPUs or torch
     ("parallel", "memory"),
     ("checkpoint",),  # above parallel: a checkpoint of a DataParallel model is unwrapped
@@ -189,6 +189,42 @@ def test_importing_every_gpus_and_sharing_module_leaves_torch_unloaded() -> None
         "print('torch' in sys.modules)"
     )
     assert out.strip() == "False"
+
+
+# The collectives through which ranks agree on an answer (rather than compute a sum or gather
+# data): only gpukit/_agree.py calls them.
+AGREEING = frozenset(
+    {"broadcast", "broadcast_object_list", "all_gather_object", "gather_object"}
+    | {"scatter_object_list"}
+)
+
+
+def _agreements(path: Path) -> list[str]:
+    """Where ``path`` makes ranks agree by hand: an agreeing collective of torch.distributed,
+    or an all_reduce with MIN or MAX."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if ast.unparse(node.func.value) not in ("dist", "torch.distributed"):
+            continue
+        name = node.func.attr
+        ops = [ast.unparse(k.value) for k in node.keywords if k.arg == "op"]
+        if name in AGREEING or (
+            name == "all_reduce" and any(o.endswith(("MIN", "MAX")) for o in ops)
+        ):
+            found.append(f"{path.relative_to(SRC)}:{node.lineno} {name}")
+    return found
+
+
+def test_ranks_agree_through_one_helper() -> None:
+    by_hand = [
+        where
+        for path in sorted(SRC.rglob("*.py"))
+        if path.name != "_agree.py"
+        for where in _agreements(path)
+    ]
+    assert by_hand == []
 
 
 def test_a_script_that_prepares_and_steps_loads_no_save_and_no_checkpoint_code() -> None:

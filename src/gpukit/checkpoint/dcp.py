@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from gpukit import untrusted
+from gpukit._agree import all_true
 from gpukit.checkpoint.atomic import fsync_folder
 from gpukit.checkpoint.dcp_metadata import read_metadata, set_path
 from gpukit.checkpoint.paths import open_content
@@ -374,19 +375,6 @@ def open_dcp(folder: Path) -> DcpFolder:
     return found
 
 
-def _all_ok(ok: bool, group: Any) -> bool:
-    """Whether every rank of ``group`` is ok (this one alone without a process group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return ok
-    # An object collective, as DCP's own: the default group may be NCCL, which takes no CPU
-    # tensor, and a training state's gloo group no CUDA one.
-    flags: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(flags, ok, group=group)
-    return all(flag is True for flag in flags)
-
-
 _WRITE_HINT = (
     "Free space or fix the folder's permissions, then save again; what was saved before is "
     "left as it was."
@@ -429,7 +417,7 @@ def write_dcp(
     except OSError as exc:
         reason = exc.strerror or str(exc)
     # Every rank enters DCP's collectives, or none does: a rank that cannot write is not waited for.
-    if not _all_ok(not reason, group):
+    if not all_true(not reason, group):
         raise CheckpointError(
             f"Cannot write the DCP checkpoint {shown}: {reason or 'it failed on another rank'}.",
             hint=_WRITE_HINT,

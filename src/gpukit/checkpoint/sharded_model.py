@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpukit import __version__
+from gpukit._agree import first_error, from_rank_0
 from gpukit.checkpoint.atomic import atomic_folder, write_durable
 from gpukit.checkpoint.dcp import METADATA_NAME, is_dcp_folder, write_dcp
 from gpukit.checkpoint.dtensor import dtensor_type as _dtensor_type
@@ -148,14 +149,14 @@ def _join(obj: object, what: str) -> None:
 
 def _agree(fn: Callable[[], T]) -> T | None:
     """Run ``fn`` on rank 0 and give every rank its error (raised) or its result."""
-    box: list[object] = [None]
+    mine: tuple[str, Any] | None = None
     if dist.get_rank() == 0:
         try:
-            box[0] = ("ok", fn())
+            mine = ("ok", fn())
         except GpukitError as exc:
-            box[0] = ("error", exc)
-    dist.broadcast_object_list(box, src=0)
-    outcome: tuple[str, Any] = box[0]  # type: ignore[assignment]
+            mine = ("error", exc)
+    outcome = from_rank_0(mine)
+    assert outcome is not None
     if outcome[0] == "error":
         raise outcome[1]
     result: T = outcome[1]
@@ -208,13 +209,6 @@ def _attempt(
     return None
 
 
-def _first_failure(mine: GpukitError | None) -> GpukitError | None:
-    """Every rank's outcome, told to every rank: the first rank's error, if any rank met one."""
-    outcomes: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, mine)
-    return next((o for o in outcomes if isinstance(o, GpukitError)), None)
-
-
 def _in_folder(path: Path, fill: Callable[[Path | None], None]) -> None:
     """Build the folder ``path`` with every rank's ``fill(tmp)``, put in place by rank 0.
 
@@ -224,16 +218,14 @@ def _in_folder(path: Path, fill: Callable[[Path | None], None]) -> None:
     every rank's part is written, and every rank raises the same error otherwise.
     """
     if dist.get_rank() != 0:
-        named: list[object] = [None]
-        dist.broadcast_object_list(named, src=0)
-        tmp = Path(str(named[0])) if named[0] is not None else None
-        _first_failure(_attempt(fill, tmp, path))
-        box: list[object] = [None]
+        named = from_rank_0(None)
+        tmp = Path(str(named)) if named is not None else None
+        first_error(_attempt(fill, tmp, path))
+        failure = from_rank_0(None)
     else:
-        box = [_build_on_rank_0(path, fill)]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], BaseException):
-        raise box[0]
+        failure = from_rank_0(_build_on_rank_0(path, fill))
+    if failure is not None:
+        raise failure
 
 
 def _build_on_rank_0(path: Path, fill: Callable[[Path | None], None]) -> GpukitError | None:
@@ -242,9 +234,9 @@ def _build_on_rank_0(path: Path, fill: Callable[[Path | None], None]) -> GpukitE
 
     def fill_here(tmp: Path) -> None:
         nonlocal sent
-        dist.broadcast_object_list([str(tmp)], src=0)
+        from_rank_0(str(tmp))
         sent = True
-        failure = _first_failure(_attempt(fill, tmp, path))
+        failure = first_error(_attempt(fill, tmp, path))
         if failure is not None:
             raise failure  # atomic_folder removes the temporary folder
 
@@ -259,8 +251,8 @@ def _build_on_rank_0(path: Path, fill: Callable[[Path | None], None]) -> GpukitE
             f"Cannot save {path}: {exc.strerror or exc}.", hint="Check the path and space."
         )
     if not sent:  # refused before the folder existed: join the others' collectives
-        dist.broadcast_object_list([None], src=0)
-        _first_failure(_attempt(fill, None, path))
+        from_rank_0(None)
+        first_error(_attempt(fill, None, path))
     return failure
 
 

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gpukit import _tree
+from gpukit import _agree, _tree
 from gpukit.distributed.process_group import DistributedContext, _ready
 from gpukit.errors import DistributedError, InvalidArgumentError
 from gpukit.train.context import current_context
@@ -152,8 +152,7 @@ def _gather_nested(x: Any, ctx: DistributedContext, keep: list[bool] | None) -> 
     # Every rank learns every rank's structure first: tensors are then paired by key path,
     # never by position, and a mismatch is an error on every rank instead of a hang or a
     # silently wrong pairing.
-    shapes: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(shapes, signature)
+    shapes = _agree.gathered(signature)
     problem = _disagreement(shapes)
     if problem is not None:
         raise DistributedError(

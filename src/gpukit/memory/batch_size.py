@@ -68,19 +68,6 @@ def _check_size(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
-def _agree(size: int) -> int:
-    """The smallest size any process found, when torch.distributed runs; else ``size``."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return size
-    backend = str(dist.get_backend())
-    dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
-    value = torch.tensor([size], dtype=torch.int64, device=dev)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return int(value.item())
-
-
 class _Search:
     """One search: runs the tries and remembers their outcome."""
 
@@ -223,9 +210,11 @@ def _find(search: _Search, *, start: int, maximum: int, floor: int, growth: floa
         )
     except MemoryProbeError:
         found = None
-    # Every process reaches the all-reduce, even one that found nothing (it sends 0), so no
+    from gpukit._agree import smallest  # torch.distributed, imported when a search ends
+
+    # Every process reaches the agreement, even one that found nothing (it sends 0), so no
     # process waits forever on another that gave up.
-    agreed = _agree(found or 0)
+    agreed = smallest(found or 0)
     if agreed == 0:
         tried = ", ".join(f"{s} ({'fits' if ok else 'out of memory'})" for s, ok in search.tries)
         raise MemoryProbeError(

@@ -23,10 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
+from gpukit._agree import all_true
 from gpukit.checkpoint.dcp import open_dcp, write_dcp
 from gpukit.errors import CheckpointError
 
@@ -70,15 +69,6 @@ def stager(model: nn.Module) -> Any:
     )
 
 
-def _agree(ok: bool, group: Any) -> bool:
-    """Whether every rank of ``group`` is ok (this one alone without a group)."""
-    if group is None and not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return int(flag.item()) == 1
-
-
 def write(folder: Path, state: dict[str, Any], group: Any) -> None:
     """Save ``state`` into the DCP folder ``folder``: this rank's shards, on every rank at once.
 
@@ -116,7 +106,7 @@ def read(folder: Path, model: nn.Module, optimizer: Any, group: Any) -> None:
         checked = open_dcp(folder)  # its .metadata read without running code, its files there
     except CheckpointError as exc:
         failure = exc
-    if not _agree(failure is None, group):
+    if not all_true(failure is None, group):
         raise failure or CheckpointError(
             f"{folder} cannot be read on another rank.",
             hint="Every rank must see the same save (a file system they share).",

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import gpukit.train._sharded_part as _sharded_part
 import gpukit.train.saves as saves
+from gpukit._agree import from_rank_0, gathered
 from gpukit.checkpoint.digests import digest
 from gpukit.checkpoint.paths import fs_error
 from gpukit.errors import CheckpointError
@@ -89,8 +89,7 @@ class SaveJob:
     def _digests(self) -> dict[str, str]:
         """The digest of each file this rank wrote (already fsynced)."""
         return {
-            name: digest(self.folder / name)
-            for name in saves.own_files(self.folder, self.rank)
+            name: digest(self.folder / name) for name in saves.own_files(self.folder, self.rank)
         }
 
     def _finish(self, digests: dict[str, str]) -> BaseException | None:
@@ -102,21 +101,18 @@ class SaveJob:
         return None
 
     def _meet(self, failure: BaseException | None, digests: dict[str, str]) -> BaseException | None:
-        """Every rank says whether its part is on disk and sends rank 0 its digests (a gather
-        in the saves' group); rank 0 writes the marker when all parts are there, then tells
-        every rank whether the save is complete (a broadcast). So no rank waits forever for
+        """Every rank says whether its part is on disk, with its digests (gathered in the saves'
+        group); rank 0 writes the marker when all parts are there, then tells every rank
+        whether the save is complete. So no rank waits forever for
         one whose write failed, and none returns before the marker is on disk."""
-        mine = (failure is None, digests if failure is None else {})
-        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0, group=self.group)
-        if gathered is not None and failure is None:
-            if all(done for done, _ in gathered):
-                failure = self._finish({k: v for _, sums in gathered for k, v in sums.items()})
+        every = gathered((failure is None, digests if failure is None else {}), self.group)
+        if self.rank == 0 and failure is None:
+            if all(done for done, _ in every):
+                failure = self._finish({k: v for _, sums in every for k, v in sums.items()})
             else:
                 failure = _failed_elsewhere(self.folder)
-        complete = torch.tensor([1 if failure is None else 0], dtype=torch.int64)
-        dist.broadcast(complete, src=0, group=self.group)
-        if failure is None and int(complete.item()) == 0:
+        complete = from_rank_0(failure is None if self.rank == 0 else None, self.group)
+        if failure is None and not complete:
             failure = _failed_elsewhere(self.folder)
         return failure
 

@@ -49,9 +49,9 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-import torch
 import torch.distributed as dist
 
+from gpukit._agree import from_rank_0, largest
 from gpukit.errors import InvalidArgumentError, check_bool
 from gpukit.train.context import current_context
 
@@ -180,7 +180,6 @@ class Preemption:
         """How many times :meth:`should_stop` was called."""
         self._agreed = _NONE
         self._previous: dict[signal.Signals, Any] = {}
-        self._flag: torch.Tensor | None = None
 
     # --- the handler: it notes, nothing more --------------------------------------------------
 
@@ -317,16 +316,8 @@ class Preemption:
         group = self._group()
         if group is None:
             return wish, mid_step
-        if self._flag is None:
-            backend = dist.get_backend(group)
-            device = (
-                torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
-            )
-            self._flag = torch.zeros(2, dtype=torch.int32, device=device)
-        self._flag.copy_(torch.tensor([wish, int(mid_step)], dtype=torch.int32))
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group)
-        agreed, anyone_mid_step = self._flag.tolist()
-        return int(agreed), bool(anyone_mid_step)
+        agreed, anyone_mid_step = largest([wish, int(mid_step)], group)
+        return agreed, bool(anyone_mid_step)
 
 
 def _has_parts(source: object) -> bool:
@@ -351,11 +342,10 @@ def _mid_step(train_step: _Stepping | None) -> bool:
 
 def _told_by_rank_0(requeue: Requeue | None, group: dist.ProcessGroup) -> Requeue | None:
     """What became of rank 0's requeue, on every rank of ``group`` (rank 0 passes its own)."""
-    said: list[Any] = [None if requeue is None else [requeue.done, requeue.reason]]
-    dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0), group=group)
-    if said[0] is None:
+    said = from_rank_0(None if requeue is None else (requeue.done, requeue.reason), group)
+    if said is None:
         return None
-    done, reason = said[0]
+    done, reason = said
     return Requeue(bool(done), str(reason))
 
 

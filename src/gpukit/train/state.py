@@ -56,6 +56,7 @@ import gpukit.train._sharded_part as _sharded_part
 import gpukit.train.rng as rng
 import gpukit.train.saves as saves
 from gpukit import _tree
+from gpukit._agree import from_rank_0, gathered
 from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.checkpoint.keys import unwrap
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError, check_bool
@@ -244,9 +245,8 @@ class TrainingState:
             # Saves meet in their own group: the writer thread's collectives must not
             # interleave with the training loop's on the default group.
             self._group = dist.new_group(backend="gloo")
-            token = torch.tensor([secrets.randbits(48) if rank == 0 else 0], dtype=torch.int64)
-            dist.broadcast(token, src=0, group=self._group)
-            self._token = f"{int(token.item()):012x}"
+            token = from_rank_0(secrets.randbits(48) if rank == 0 else None, self._group)
+            self._token = f"{token:012x}"
         else:
             self._token = secrets.token_hex(6)
 
@@ -322,8 +322,7 @@ class TrainingState:
         Each rank digests each extra's state; one gather of the digests in the saves' group.
         """
         digests = {name: _digest(state) for name, state in _extras_state(self.extras).items()}
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, digests, group=self._group)
+        every = gathered(digests, self._group)
         if rank != 0:
             return
         differ = sorted(
@@ -528,13 +527,9 @@ def _check_part(name: str, saved: object, part: Any) -> None:
 
 
 def _agree(info: saves.SaveInfo | None, root: Path, group: Any) -> saves.SaveInfo | None:
-    """Rank 0's choice of save, on every rank (each then reads and checks it itself); through
-    the saves' gloo group, which takes CPU tensors whatever the training's backend is."""
-    name = info.path.name.encode() if info is not None else b""
-    buffer = torch.zeros(128, dtype=torch.uint8)  # a save name is at most 67 bytes
-    buffer[: len(name)] = torch.tensor(list(name), dtype=torch.uint8)
-    dist.broadcast(buffer, src=0, group=group)
-    chosen = bytes(buffer.tolist()).rstrip(b"\0").decode()
+    """Rank 0's choice of save, on every rank (each then reads and checks it itself), in the
+    saves' gloo group."""
+    chosen = from_rank_0(info.path.name if info is not None else "", group)
     if not chosen:
         return None
     return info if info is not None else saves.check(root / chosen)
