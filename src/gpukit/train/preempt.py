@@ -265,7 +265,7 @@ class Preemption:
                 "Preemption.stop() was called between the micro-batches of an optimizer step: "
                 "a save now would lose their accumulated gradients.",
                 hint="Call stop() when should_stop() said True, which it says only once the "
-                "step's last micro-batch is done (dist.step(...) returned True).",
+                "step's last micro-batch is done (the result of dist.step(...) is true).",
             )
         if callable(save):
             save()

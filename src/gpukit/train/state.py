@@ -263,12 +263,18 @@ class TrainingState:
         (logger ``gpukit.train``) names those that do; put them in ``rank_extras`` instead.
 
         Raises:
-            InvalidArgumentError: ``asynchronous`` is not True, False or None.
+            InvalidArgumentError: ``asynchronous`` is not True, False or None; or the training
+                step is between the micro-batches of an optimizer step (on every rank).
             CheckpointError: the previous asynchronous save failed, or this one did (not
                 asynchronous); or the folder fails the trust model (another user's, or anyone
                 may write it).
         """
         check_bool("asynchronous", asynchronous, allow_none=True)
+        # Refused on every rank alike, before any meets the others: rank 0 alone builds the
+        # shared part, and the other ranks would wait for it in the saves' meeting.
+        for part in self.parts.values():
+            if getattr(part, "mid_step", False):
+                part.state_dict()  # the training step's refusal: between micro-batches
         self.wait()
         saves.check_root(self.folder)
         rank, world = _rank_and_world()
@@ -507,7 +513,8 @@ def _check_step(value: object) -> int:
         raise InvalidArgumentError(
             f"TrainingState.step = {value!r} is not a step: a whole number from 0 to "
             f"{_MAX_STEP} (a save at any other step could not be resumed).",
-            hint="Count optimizer steps with an int: state.step += 1 after each.",
+            hint="Leave state.step to the state: it counts each optimizer.step() itself. Set "
+            "it by hand only where no optimizer is given, to an int (state.step += 1).",
         )
     return value
 

@@ -286,7 +286,7 @@ class TrainStep:
                 f"the training step is between micro-batches ({self.context.index + 1} of "
                 f"{self.context.length} done): a save now would lose their accumulated "
                 "gradients, and the resumed run would differ.",
-                hint="Save after an optimizer step: when dist.step(...) returned True.",
+                hint="Save after an optimizer step: when the result of dist.step(...) is true.",
             )
         return {
             "accumulation": self.accumulation.state_dict(),
