@@ -172,7 +172,7 @@ def segments(folder: str, stops: list[int], **options: Any) -> list[float] | Non
 EXACT: dict[str, Any] = {}  # dropout and per-rank noise: bitwise on the same world size
 PLAIN: dict[str, Any] = {"dropout": 0.0, "noise": False}  # no per-sample randomness
 ACCUMULATED: dict[str, Any] = {"accumulate": 3, "num_workers": 0}  # 3 micro-batches a step
-"""What a run must be for its weights not to depend on the world size (see docs/distributed.md):
+"""What a run must be for its weights not to depend on the world size (see docs/training.md):
 nothing drawn per sample from a rank's own random streams."""
 
 

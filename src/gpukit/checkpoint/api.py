@@ -331,11 +331,11 @@ def save(
     Wrappers (``nn.DataParallel``, DDP, ``gk.DataParallel``, ``torch.compile``) are removed
     first, so keys never carry ``module.`` or ``_orig_mod.``; optimizers and schedulers in a dict
     are saved as their state dicts. The path picks the layout (:func:`save_layout`, suffixes
-    compared in any case): ``.safetensors`` (weights only) or ``.pt`` / ``.pth`` / ``.bin`` is
-    one file (and ``max_shard_size`` with such a path is refused); another suffix is refused; a
-    path without a suffix, or with ``max_shard_size`` (bytes, or ``"2GB"``, ``"1.5G"``,
-    ``"500MiB"`` as :func:`gpukit.sizes.parse_size` reads them; 5GB by default), is a folder in
-    Hugging Face's sharded safetensors layout
+    compared in any case): ``.safetensors`` (weights only) or ``.pt`` / ``.pth`` / ``.bin`` /
+    ``.ckpt`` / ``.tar`` is one file (and ``max_shard_size`` with such a path is refused);
+    another suffix is refused; a path without a suffix, or with ``max_shard_size`` (bytes, or
+    ``"2GB"``, ``"1.5G"``, ``"500MiB"`` as :func:`gpukit.sizes.parse_size` reads them; 5GB by
+    default), is a folder in Hugging Face's sharded safetensors layout
     (``model-00001-of-00002.safetensors``... and ``model.safetensors.index.json``), which
     Hugging Face's loaders read. Missing parent folders are created (as ``mkdir -p`` does)
     when the nearest existing one is writable. A folder is written

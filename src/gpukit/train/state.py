@@ -85,7 +85,9 @@ class Resumed:
     world_size: int
     """How many processes wrote the save (this run may have another number)."""
     passed_over: list[str] = field(default_factory=list)
-    """Newer saves that were incomplete or damaged, one line each: why each was not taken."""
+    """The saves found and not taken, one line each saying why: newer ones incomplete or
+    damaged (a digest that does not match, a file cut short), and saves of any age that are
+    not this user's or have no readable marker."""
 
 
 def _rank_and_world() -> tuple[int, int]:
