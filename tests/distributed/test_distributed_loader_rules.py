@@ -8,8 +8,10 @@ The tests at the end run in a real two-process gloo group whose rank 0 is this p
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -205,7 +207,8 @@ def test_the_prepared_loader_loads_with_the_users_worker_and_memory_settings() -
         inner.prefetch_factor,
         inner.persistent_workers,
         inner.pin_memory,
-    ) == (2, 30, _init_worker, data.multiprocessing_context, 3, True, True)
+    ) == (2, 30, inner.worker_init_fn, data.multiprocessing_context, 3, True, True)
+    assert inner.worker_init_fn.user is _init_worker  # type: ignore[union-attr]
 
 
 def test_a_loader_for_a_cuda_device_pins_host_memory_and_one_for_the_cpu_does_not() -> None:
@@ -390,3 +393,41 @@ def test_forked_workers_never_collect_a_process_group_this_process_left_as_garba
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["4"]
+
+
+class Slow(Dataset[torch.Tensor]):
+    """Each sample takes a while, so that the workers are still busy when the signal comes."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.05)
+        return torch.tensor([index, os.getpid()])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_workers_outlive_a_stop_signal_sent_to_the_whole_process_group(
+    signum: signal.Signals,
+) -> None:
+    """Slurm signals every process of a step, torchrun a worker's whole group: the stop is the
+    served process's to make (Preemption, at the end of a step), not a worker's death."""
+    data = DataLoader(Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    loader = DistributedLoader(data, batch_size=2, rank=0, world_size=1, device=CPU, seed=0)
+    seen: list[int] = []
+    workers: set[int] = set()
+    served = signal.getsignal(signum)
+    try:
+        for batch in loader:
+            seen.extend(batch[:, 0].tolist())
+            workers.update(batch[:, 1].tolist())
+            if len(seen) == 4:  # a batch from each worker, both still loading
+                assert len(workers) == 2
+                # The served process handles it (as Preemption does), after the workers
+                # started: they inherited no handler of it.
+                signal.signal(signum, lambda *_: None)
+                for pid in workers:
+                    os.kill(pid, signum)
+    finally:
+        signal.signal(signum, served)
+    assert sorted(seen) == list(range(16))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,9 +45,11 @@ from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 
 __all__ = [
+    "STOP_SIGNALS",
     "DistributedLoader",
     "RankBatches",
     "SampleWeights",
+    "WorkerStart",
     "share",
     "weighted_allreduce",
 ]
@@ -272,6 +275,42 @@ def _forks_workers(loader: DataLoader[Any]) -> bool:
     return method == "fork"
 
 
+# The signals a job is stopped with: Slurm's --signal and scancel, a time limit's SIGTERM,
+# torchrun passing a signal on to each worker's process group, Ctrl-C, a hang-up.
+STOP_SIGNALS: tuple[signal.Signals, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+class WorkerStart:
+    """A DataLoader worker's start: the stop signals ignored, then the loader's own
+    ``worker_init_fn`` (``user``), if any.
+
+    Slurm signals every process of a job step, and torchrun each worker's whole process group:
+    the DataLoader's workers get the stop signal too. Left to its default action a worker dies,
+    and the process it serves fails with "DataLoader worker ... is killed by signal" in the
+    middle of a step, where ``gk.train.Preemption`` would have stopped at the step's end, saved
+    and exited 75. The served process handles the signal, and ends its workers when it ends;
+    a worker whose process is gone ends by itself (torch's watchdog).
+
+    Args:
+        user: the loader's own ``worker_init_fn``, called after, with the worker's id.
+    """
+
+    def __init__(self, user: Callable[[int], object] | None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.user is not None:
+            self.user(worker_id)
+
+
 class DistributedLoader:
     """A DataLoader over this process's share of each global batch, moved to its device.
 
@@ -335,7 +374,7 @@ class DistributedLoader:
             collate_fn=_EmptyAware(loader.collate_fn, dataset),  # type: ignore[arg-type]
             pin_memory=loader.pin_memory or device.type == "cuda",
             timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
+            worker_init_fn=WorkerStart(loader.worker_init_fn),
             multiprocessing_context=loader.multiprocessing_context,
             prefetch_factor=loader.prefetch_factor,
             persistent_workers=loader.persistent_workers,
