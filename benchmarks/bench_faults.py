@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,8 +354,14 @@ def run_forked(zygote: Zygote, plan: dict[str, Any], world: int, tag: str) -> Ru
     return RunResult(codes, hung, events, weights, time.monotonic() - start)
 
 
-def run_launcher(plan: dict[str, Any], tag: str) -> RunResult:
-    """Run 2 ranks through ``gpukit run --ddp --cpu-ok -n 2`` (torchrun underneath)."""
+def run_launcher(
+    plan: dict[str, Any], tag: str, settle: Callable[[], None] | None = None
+) -> RunResult:
+    """Run 2 ranks through ``gpukit run --ddp --cpu-ok -n 2`` (torchrun underneath).
+
+    ``settle`` is called once the launcher has ended and before its report is read: a
+    launcher killed with SIGKILL has told torchrun to stop, whose workers may still be saving.
+    """
     report = Path(plan["report"])
     report.mkdir(parents=True, exist_ok=True)
     plan_file = report / "plan.json"
@@ -390,6 +396,8 @@ def run_launcher(plan: dict[str, Any], tag: str) -> RunResult:
             _killpg(process.pid)
             process.wait()
             code = None
+    if settle is not None:
+        settle()
     events, weights = _read_run(report, 2)
     return RunResult({-1: code}, hung, events, weights, time.monotonic() - start)
 
@@ -425,6 +433,15 @@ class Leftovers:
         for pid in descendants():
             if pid not in self.known and pid not in self.waiting:
                 self.waiting[pid] = (now + LINGER_S, record)
+
+    def settle(self) -> None:
+        """Wait, at most :data:`LINGER_S` seconds, for the processes a run left running to end
+        (those still alive then are counted by :meth:`after_run`)."""
+        deadline = time.monotonic() + LINGER_S
+        while time.monotonic() < deadline:
+            if all(pid in self.known or pid in self.waiting for pid in descendants()):
+                return
+            time.sleep(0.05)
 
     def check(self, *, final: bool = False) -> None:
         """Count (and kill) those past their time; with ``final``, wait for all of them."""
@@ -763,7 +780,7 @@ class Matrix:
             extra: dict[str, Any] = {"signal": {**p, "again": 0.01, "signum": int(signal.SIGTERM)}}
         else:
             extra = {"kill": {**p, "how": "timer"}}
-        run = run_launcher(_plan(base, **extra), f"{record.index}")
+        run = run_launcher(_plan(base, **extra), f"{record.index}", self.leftovers.settle)
         self.leftovers.after_run(record)
         self._fault_run(record, run)
         if record.outcome == "hang":
