@@ -880,6 +880,17 @@ def _last_complete(run: RunResult) -> int | None:
 # --- the matrix ---------------------------------------------------------------------------------
 
 
+# The faults that ask the run to stop (a signal to a rank, a launcher signalled or killed):
+# the run must stop at a step's end, never fail mid-step with an error of its own.
+STOP_KINDS = ("signal", "launcher")
+
+
+def _unclean_stop(record: Record) -> bool:
+    """Whether a run asked to stop failed instead, with an untyped error (a DataLoader worker
+    killed by the signal, say)."""
+    return record.kind in STOP_KINDS and any(e.startswith("untyped") for e in record.fault_errors)
+
+
 def summarize(records: Sequence[Record], seconds: float) -> dict[str, Any]:
     """The figures of a matrix: counts over all faults, and per kind."""
     same = [r for r in records if r.resume_world == 2]
@@ -898,6 +909,7 @@ def summarize(records: Sequence[Record], seconds: float) -> dict[str, Any]:
         "lost_saves": sum(r.lost for r in records),
         "left_behind": sum(r.left_behind for r in records),
         "passed_over": sum(r.passed_over > 0 for r in records),
+        "unclean_stops": sum(_unclean_stop(r) for r in records),
         "by_kind": {
             kind: dict(Counter(r.outcome for r in records if r.kind == kind))
             for kind in sorted({r.kind for r in records})
@@ -960,6 +972,7 @@ def table(summary: dict[str, Any]) -> str:
         ("saves lost beyond the last complete one", summary["lost_saves"]),
         ("processes left behind", summary["left_behind"]),
         ("resumes that passed over a save", summary["passed_over"]),
+        ("stops that failed with an untyped error", summary["unclean_stops"]),
         ("seconds", summary["seconds"]),
     ]
     lines = [f"{name:<42} {value:>8}" for name, value in rows]
@@ -1013,6 +1026,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         or summary["damaged_loads"]
         or summary["lost_saves"]
         or summary["left_behind"]
+        or summary["unclean_stops"]
         or summary["same_world_equal"] != summary["same_world_resumed"]
     )
     return 1 if broken else 0
