@@ -339,6 +339,17 @@ def gathered(rank: int, dataset_len: int) -> list[list[float]]:
     return [dist.gather_for_metrics(batch[0]).tolist() for batch in _loader(rank, dataset_len)]
 
 
+def prepare_your_ddp(rank: int) -> str:
+    """prepare() of a model the caller wrapped in DDP, with an optimizer and a loader."""
+    model = nn.parallel.DistributedDataParallel(nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        dist.prepare(model, opt, _ids(8), per_device_batch_size=2)
+    except InvalidArgumentError as exc:
+        return f"{exc.message} {exc.hint}"
+    return "prepared"
+
+
 @pytest.fixture(scope="class")
 def other_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OtherRank]:
     with two_processes(tmp_path_factory.mktemp("group") / "store") as other:
@@ -365,6 +376,17 @@ class TestInAGroupOfTwoProcesses:
         other_rank.run(hooked_means, 5)
         here = hooked_means(0, 5)
         assert (here, other_rank.result()) == ([1.5, 4.0], [1.5, 4.0])
+
+    def test_a_model_wrapped_in_ddp_by_the_caller_is_refused_for_the_step_on_every_rank(
+        self, other_rank: OtherRank
+    ) -> None:
+        # Its all-reduce averages every rank's gradient equally; the step weighs them by
+        # their samples as well: the gradients came out 1/N of the whole batch's.
+        other_rank.run(prepare_your_ddp)
+        here = prepare_your_ddp(0)
+        assert here == other_rank.result()
+        assert "already wrapped in DDP" in here
+        assert "Pass the bare model" in here
 
     def test_a_gather_for_a_metric_holds_each_sample_of_the_global_batch_once(
         self, other_rank: OtherRank

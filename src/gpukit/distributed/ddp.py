@@ -219,6 +219,16 @@ def prepare(
             "equal average over processes cannot weigh micro-batches exactly.",
             hint="Pass the bare model and let prepare() wrap it.",
         )
+    if yours and optimizer is not None and loader is not None and ctx.world_size > 1:
+        # The step weighs each rank's gradient by its samples; DDP's own all-reduce then
+        # averages them again, and the step would take 1/N of the whole batch's gradient.
+        raise InvalidArgumentError(
+            "prepare() got a model already wrapped in DDP with an optimizer and a loader: its "
+            "all-reduce averages the ranks' gradients equally, which the prepared step, "
+            "weighing each rank by its samples, cannot correct.",
+            hint="Pass the bare model and let prepare() wrap it (ddp_kwargs= passes DDP's "
+            "options).",
+        )
     context = StepContext(steps, precision=resolved)
     if shard is not False:  # FSDP2 in place of DDP (train/shard.py)
         weight = SampleWeights(ctx.world_size, context).weight
