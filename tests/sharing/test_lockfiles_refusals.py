@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import errno
 import gc
-import json
 import os
 import pwd
-import signal
 import socket
 import stat
 from collections.abc import Callable
@@ -25,6 +23,7 @@ import gpukit.sharing.lockfiles as lockfiles
 from gpukit.errors import GpukitError, LockFolderError
 from gpukit.sharing.lockfiles import check_folder, open_folder, open_lock_file, opened_folder
 from tests.helpers import NOBODY, as_root
+from tests.helpers.other_user import as_nobody
 
 ME = pwd.getpwuid(os.geteuid()).pw_name
 REMOVE_IT = (
@@ -54,37 +53,6 @@ def _refusal(call: Callable[[], object]) -> tuple[str, str, str | None]:
     with pytest.raises(GpukitError) as caught:
         call()
     return type(caught.value).__name__, caught.value.message, caught.value.hint
-
-
-def _as_nobody(call: Callable[[], object]) -> list[str | None]:
-    """Run ``call`` as another user (uid 65534) in a child process; what it raised, or "ok"."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(30)  # a child that blocks ends, and the test fails instead of hanging
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                result = call()
-                answer: list[str | None] = ["ok", repr(result)]
-            except GpukitError as exc:
-                answer = [type(exc).__name__, exc.message, exc.hint]
-            except BaseException as exc:
-                answer = [type(exc).__name__, str(exc)]
-            os.write(write_end, json.dumps(answer).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    data = b""
-    while chunk := os.read(read_end, 65536):
-        data += chunk
-    os.close(read_end)
-    os.waitpid(pid, 0)
-    assert data, f"the child acting as uid {NOBODY} ended without an answer"
-    return json.loads(data)
 
 
 def _open_fds() -> set[str]:
@@ -392,7 +360,7 @@ def test_a_root_folder_others_may_write_without_the_sticky_bit_is_refused_to_the
     path = public_tmp / "locks"
     path.mkdir()
     path.chmod(mode)
-    answer = _as_nobody(lambda: os.close(open_folder(path)))
+    answer = as_nobody(lambda: os.close(open_folder(path)))
     if seen_by_others == "ok":
         assert answer == ["ok", "None"]
     else:
@@ -413,7 +381,7 @@ def test_a_user_who_may_not_write_where_the_lock_folder_goes_is_told_permission_
     public_tmp: Path,
 ) -> None:
     path = public_tmp / "locks"
-    assert _as_nobody(lambda: open_folder(path, create=True)) == [
+    assert as_nobody(lambda: open_folder(path, create=True)) == [
         "LockFolderError",
         f"Cannot create the lock folder {path}: permission denied.",
         CANNOT_WRITE,
@@ -447,7 +415,7 @@ def test_a_lock_file_another_user_keeps_private_is_refused_after_ten_short_waits
             raise LockFolderError(f"{exc.message} {waits}", hint=exc.hint) from exc
         return waits
 
-    assert _as_nobody(open_it_counting_waits) == [
+    assert as_nobody(open_it_counting_waits) == [
         "LockFolderError",
         f"Cannot open {path} (owned by root): permission denied. {[0.005] * 10}",
         CANNOT_WRITE,

@@ -15,11 +15,10 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from torch import nn
 from gpukit.checkpoint.digests import digest
 from gpukit.errors import CheckpointError, GpukitError, InvalidArgumentError
 from gpukit.train import TrainingState, saves
+from tests.helpers.other_user import as_nobody
 
 OTHER = 54321  # a uid with no account: another user of the machine
 NOBODY = 65534
@@ -108,35 +108,6 @@ def _chown_tree(path: Path, uid: int) -> None:
         for name in [*folders, *files]:
             os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
     os.chown(path, uid, uid)
-
-
-def _as_nobody(call: Callable[[], object]) -> str:
-    """Run ``call`` as uid 65534 in a child process; "ok" or what it raised."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(60)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                call()
-                answer = "ok"
-            except BaseException as exc:
-                answer = f"{type(exc).__name__}: {exc}"
-            os.write(write_end, answer.encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    data = b""
-    while chunk := os.read(read_end, 65536):
-        data += chunk
-    os.close(read_end)
-    os.waitpid(pid, 0)
-    assert data, "the child acting as nobody ended without an answer"
-    return data.decode()
 
 
 # --- the trust model -------------------------------------------------------------------------
@@ -281,7 +252,7 @@ def test_an_old_save_written_under_sudo_does_not_make_later_saves_fail(
                     state.save()
                 state.wait()
 
-        outcomes.append(_as_nobody(save_twice))
+        outcomes.append(as_nobody(save_twice)[0])
     assert outcomes == ["ok", "ok"]
     markers = [json.loads((p / saves.MARKER).read_text()) for p in sorted(run.iterdir())]
     assert sorted(m["step"] for m in markers) == [1, 3]  # root's kept, and nobody's newest
