@@ -54,9 +54,8 @@ class SaveJob:
         failure: BaseException | None = None
         if self.sharded is not None:
             try:
+                # Its files and the folder fsynced by the checkpoint layer's DCP writer.
                 _sharded_part.write(self.folder / saves.SHARDED, self.sharded, self.group)
-                # This rank's file, and on rank 0 the .metadata DCP renamed in.
-                saves.fsync_folder(self.folder / saves.SHARDED)
             except BaseException as exc:  # every rank has it: DCP told them all
                 failure = exc
             self.sharded = None
