@@ -113,6 +113,37 @@ def test_a_worker_that_dies_is_restarted_and_the_run_trains_like_one_process(
         assert rank["weights"] == pytest.approx(single_weights, rel=0, abs=1e-12)
 
 
+# Each start of a worker is noted; then it stops for preemption (75), as gk.train.Preemption
+# does. argv: the folder for the notes.
+_PREEMPTED_AT_ONCE = """
+import os, pathlib, sys
+pathlib.Path(sys.argv[1], f"start-{os.environ['RANK']}-{os.getpid()}").write_text("")
+sys.exit(75)
+"""
+
+
+@pytest.mark.slow
+def test_workers_that_stopped_for_preemption_are_not_restarted(
+    run_cli: CliRunner, machines_dir: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "preempted.py"
+    script.write_text(_PREEMPTED_AT_ONCE)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    env: dict[str, str | None] = {
+        "GPUKIT_FAKE_NVML": str(machines_dir / "no-driver.json"),
+        "MASTER_ADDR": None,
+        "MASTER_PORT": None,
+    }
+    done = run_cli(
+        "run", "--ddp", "--cpu-ok", "-n", "2", "--torchrun-arg=--max-restarts=3",
+        "--torchrun-arg=--monitor-interval=0.1", "--", sys.executable, str(script), str(notes),
+        env=env, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert len(list(notes.iterdir())) == 2  # each rank started once
+
+
 @pytest.fixture
 def no_torchrun(monkeypatch: pytest.MonkeyPatch, machines_dir: Path) -> list[list[str]]:
     """Run ``gpukit run --ddp --cpu-ok`` in this process without starting torchrun: what it

@@ -123,6 +123,34 @@ def _record_workers() -> list[Any]:
     return started
 
 
+def _no_restart_after_preemption() -> None:
+    """Have torchrun's agent end, not restart its workers, once they stopped for preemption.
+
+    With ``--max-restarts`` the agent restarts a failed worker group while restarts remain:
+    workers that stopped for preemption (every one that failed on its own, 75) would be
+    started again on a node that is being taken away, and the job never requeued. Their
+    failure then takes the agent's no-restarts-left way out, whose report ends as 75.
+    """
+    try:
+        from torch.distributed.elastic.agent.server import local_elastic_agent as agent
+    except ImportError:
+        return
+    cls = getattr(agent, "LocalElasticAgent", None)
+    monitor = getattr(cls, "_monitor_workers", None)
+    if cls is None or monitor is None:  # another torch: its restarts stand
+        return
+    from gpukit.train.preempt import PREEMPTED_EXIT_CODE
+
+    def monitoring(self: Any, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        failures = getattr(result, "failures", None)
+        if failures and workers_exit_code(failures) == PREEMPTED_EXIT_CODE:
+            self._remaining_restarts = 0
+        return result
+
+    cls._monitor_workers = monitoring
+
+
 def _signalled(signum: int, started: list[Any]) -> int:
     """128+N for the signal N that ended torchrun, as for a process it killed; but 75 when the
     workers it passed the signal on to stopped for preemption (every one that failed, 75)."""
@@ -219,6 +247,7 @@ def main() -> int:
         # The agent installs its handler by this module-level name when it starts the workers.
         api._terminate_process_handler = handler
     started = _record_workers()
+    _no_restart_after_preemption()
     # The agent logs each failed worker, then reports them all: said once here, in one line.
     logging.getLogger(api.__name__).addFilter(_not_a_failed_worker)
     try:
