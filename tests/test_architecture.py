@@ -227,6 +227,17 @@ def test_ranks_agree_through_one_helper() -> None:
     assert by_hand == []
 
 
+def test_one_module_writes_dcp_checkpoints() -> None:
+    writers = sorted(
+        str(path.relative_to(SRC))
+        for path in SRC.rglob("*.py")
+        for name in _imports(path)
+        if name.endswith(".FileSystemWriter")
+        or name.startswith("torch.distributed.checkpoint.state_dict_saver")
+    )
+    assert set(writers) == {"checkpoint/dcp.py"}
+
+
 def test_a_script_that_prepares_and_steps_loads_no_save_and_no_checkpoint_code() -> None:
     out = run_python(
         "import sys\n"
