@@ -376,6 +376,11 @@ def tree_map(
     (torch.float16, 'id-7', 3)
     >>> tree_map(lambda n: n * 10, [1, (2, "a")], types=int)
     [10, (20, 'a')]
+
+    Args:
+        fn: called on each leaf, returns its replacement.
+        data: the nested structure.
+        types: the leaf types ``fn`` applies to (tensors by default); other leaves are kept.
     """
     if not callable(fn):
         raise InvalidArgumentError(

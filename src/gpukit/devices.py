@@ -136,6 +136,10 @@ def device(spec: DeviceLike = "auto") -> torch.device:
 
     >>> device("cpu")
     device(type='cpu')
+
+    Args:
+        spec: ``"auto"`` (the default), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``, an
+            index N, or a ``torch.device``.
     """
     if isinstance(spec, torch.device):
         return _validated(spec, f"{spec}")
@@ -203,6 +207,9 @@ def try_gpu(i: int = 0) -> torch.device:
 
     >>> try_gpu(7) if not __import__("torch").cuda.is_available() else None
     device(type='cpu')
+
+    Args:
+        i: the CUDA index wanted, 0 or more.
     """
     if isinstance(i, bool) or not isinstance(i, int):
         raise DeviceError(
@@ -227,6 +234,9 @@ def placement(module: nn.Module) -> dict[torch.device, list[str]]:
 
     >>> placement(torch.nn.Linear(2, 2))
     {device(type='cpu'): ['weight', 'bias']}
+
+    Args:
+        module: the module to look at.
     """
     groups: defaultdict[torch.device, list[str]] = defaultdict(list)
     for name, param in module.named_parameters():
@@ -241,6 +251,9 @@ def module_device(module: nn.Module) -> torch.device:
 
     A module with neither (``nn.ReLU()``) is on the CPU. Raises
     :class:`~gpukit.errors.MixedDevicesError` naming which tensors sit where when they disagree.
+
+    Args:
+        module: the module to look at.
     """
     groups = placement(module)
     if not groups:

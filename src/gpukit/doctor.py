@@ -136,6 +136,11 @@ def check_devices(module: nn.Module, *args: Any, **kwargs: Any) -> dict[torch.de
 
     >>> check_devices(torch.nn.Linear(2, 2), torch.ones(1, 2))
     {device(type='cpu'): ['weight', 'bias', 'input']}
+
+    Args:
+        module: the model whose parameters and buffers are checked.
+        *args: the positional inputs the model is about to be called with.
+        **kwargs: its keyword inputs.
     """
     if not isinstance(module, nn.Module):
         raise InvalidArgumentError(

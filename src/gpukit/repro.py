@@ -140,6 +140,11 @@ def seed_everything(
 
     >>> seed_everything(1234).seed
     1234
+
+    Args:
+        seed: the seed, 0 to 2**32 - 1; None: ``$GPUKIT_SEED``, else 0.
+        deterministic: whether to turn on deterministic algorithms and cuDNN.
+        benchmark: cuDNN's autotuner on or off; None: off when deterministic, else unchanged.
     """
     source = "argument"
     if seed is None:
@@ -195,6 +200,9 @@ def seed_worker(worker_id: int) -> None:
     never repeat each other's random augmentations, a new epoch draws new ones, and a run
     seeded with :func:`seed_everything` draws the same ones again. Called outside a worker it
     raises :class:`~gpukit.errors.InvalidArgumentError`.
+
+    Args:
+        worker_id: the worker's id, as the DataLoader passes it.
     """
     from torch.utils.data import get_worker_info
 

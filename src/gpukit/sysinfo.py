@@ -67,6 +67,9 @@ def system_info(*, cuda_details: bool = True) -> dict[str, Any]:
     (``is_available``, ``mem_get_info``...), for callers that still want to set
     ``CUDA_VISIBLE_DEVICES``; ``available`` then means that NVML sees a visible GPU.
     On a machine without a GPU the CUDA part says so (``available: false``) and the rest is full.
+
+    Args:
+        cuda_details: whether to run the queries that start CUDA in this process.
     """
     check_bool("cuda_details", cuda_details)
     # torch.cuda.is_available() starts the CUDA driver, which then ignores later changes to

@@ -141,6 +141,14 @@ def to_device(
     >>> batch = {"x": torch.ones(2), "ids": [1, 2], "name": "a"}
     >>> to_device(batch, "cpu") is batch
     True
+
+    Args:
+        obj: a tensor, a module, or any nesting of containers of them.
+        device: where to move the tensors.
+        non_blocking: whether copies are asynchronous; ``"auto"``: only from pinned memory to a
+            GPU.
+        pin: whether host tensors are pinned first, when the target is a GPU.
+        skip: key names or key paths whose values are left where they are.
     """
     check_bool("pin", pin)
     if non_blocking != "auto" and non_blocking is not True and non_blocking is not False:

@@ -63,7 +63,12 @@ class BenchResult:
 
 
 def time_call(fn: Callable[[], object], *, number: int = 1) -> float:
-    """Seconds per call of ``fn``, averaged over ``number`` back-to-back calls."""
+    """Seconds per call of ``fn``, averaged over ``number`` back-to-back calls.
+
+    Args:
+        fn: the call to time.
+        number: back-to-back calls averaged over, 1 or more.
+    """
     start = time.perf_counter()
     for _ in range(number):
         fn()
@@ -81,6 +86,12 @@ def compare(
 
     Interleaving the candidates (a, b, c, a, b, c, ...) spreads slow moments of a noisy machine
     over all of them, so their ratio is far steadier than that of back-to-back runs.
+
+    Args:
+        candidates: the calls to time, by name.
+        repeat: rounds of measurement; the median of each candidate's is returned.
+        number: back-to-back calls per measurement.
+        warmup: untimed rounds first.
     """
     for fn in candidates.values():
         for _ in range(warmup):

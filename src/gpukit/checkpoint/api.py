@@ -75,6 +75,9 @@ def clean_state_dict(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
 
     >>> clean_state_dict({"module._orig_mod.fc.weight": torch.zeros(1)}).keys()
     odict_keys(['fc.weight'])
+
+    Args:
+        state_dict: the state dict whose keys may carry wrapper prefixes.
     """
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(
@@ -359,6 +362,13 @@ def save(
     model: a file's suffix is one file of the full weights, a path without a suffix a folder
     (a DCP checkpoint there, each process writing its own part, unless ``max_shard_size``).
 
+    Args:
+        obj: a module, a state dict, or a dict of things (models, optimizers, plain data).
+        path: where to write; its suffix picks the layout (see above).
+        metadata: plain data stored with the weights (safetensors: strings), or None.
+        max_shard_size: the largest shard of a folder, bytes or a size (``"2GB"``); None: 5GB.
+        dtype: a floating dtype to save the floating tensors in (``"bf16"``), or None.
+
     Raises:
         InvalidArgumentError: ``obj`` is not something to save, ``metadata`` is not JSON,
             ``dtype`` is not a floating-point dtype (or is asked of a sharded model), or the
@@ -464,6 +474,14 @@ def load(
 
     >>> report = load(model, "run/last.pt")       # doctest: +SKIP
     >>> optimizer.load_state_dict(report.extras["optimizer"])  # doctest: +SKIP
+
+    Args:
+        model: the model to load into, wrapped or not.
+        path: the checkpoint: a file, a sharded folder or its index, a DCP folder, an accelerate
+            ``save_state`` folder, or a training state's save folder.
+        map_location: where tensors are read to; ``"auto"``: the model's device.
+        strict: whether missing and unexpected keys are an error (False: reported).
+        trust: allow a pickle that runs code to be read (only for files you made).
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(

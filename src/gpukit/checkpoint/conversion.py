@@ -108,6 +108,14 @@ def convert(
     >>> done.left_out, done.kept  # doctest: +SKIP
     (['optimizer', 'epoch'], "the weights under 'model'")
 
+    Args:
+        source: the checkpoint to read: a file, a sharded folder or its index, a DCP folder,
+            an accelerate ``save_state`` folder.
+        output: the path to write (its suffix picks the layout), or a checked ``SaveTarget``.
+        weights_only: with a ``.pt`` output, keep the model's weights alone.
+        max_shard_size: the largest shard of a folder output, bytes or a size (``"2GB"``).
+        trust: allow a pickle that runs code to be read (only for files you made).
+
     Raises:
         CheckpointError: ``source`` is missing, damaged or not a checkpoint, holds no model
             weights where only they are kept, or ``output`` cannot be written.

@@ -165,6 +165,11 @@ def describe(path: str | Path, *, trust: bool = False) -> Description:
     >>> info.format, info.container_key, info.parameter_count  # doctest: +SKIP
     ('torch', 'model', 1034)
 
+    Args:
+        path: the checkpoint: a file, a sharded folder or its index, a DCP folder, an
+            accelerate ``save_state`` folder.
+        trust: allow a pickle that runs code to be read (only for files you made).
+
     Raises:
         CheckpointError: ``path`` is missing, unreadable, damaged or not a checkpoint.
         UntrustedCheckpointError: the file is a pickle that runs code, and ``trust`` is False.

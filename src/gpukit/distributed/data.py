@@ -326,6 +326,17 @@ class DistributedLoader:
     :class:`~gpukit.train.context.StepContext` it shares with ``train_step`` (given, or the
     one ``context`` belongs to) and the gradient hook; without either it makes its own.
 
+    Args:
+        loader: the DataLoader to shard: its dataset, shuffle, collate and worker settings.
+        batch_size: the samples each process loads per micro-batch, 1 or more.
+        rank: this process's rank, 0 to ``world_size - 1``.
+        world_size: how many processes share each global batch.
+        device: where the batches are moved.
+        seed: the shuffle's seed (the same on every rank).
+        accumulate: micro-batches per optimizer step, 1 or more.
+        train_step: the training step whose context the loader fills, or None.
+        context: the step context to fill; None: ``train_step``'s, or a new one.
+
     Raises:
         InvalidArgumentError: the loader has a custom batch sampler or sampler, ``seed`` is
             not a whole number from 0 to 2**63 - 1, or ``context`` and ``train_step`` (or
@@ -419,6 +430,9 @@ class DistributedLoader:
         Setting the epoch the loader is already in keeps its position inside that epoch (after
         :meth:`load_state_dict`, or a pass left early); another epoch starts at its beginning.
 
+        Args:
+            epoch: the epoch of the next pass, 0 to 2**63 - 1.
+
         Raises:
             InvalidArgumentError: ``epoch`` is not a whole number from 0 to 2**63 - 1; the
                 loader's position is left as it was.
@@ -458,6 +472,9 @@ class DistributedLoader:
         """Continue from :meth:`state_dict`: the next pass starts where that one stopped.
 
         Index arithmetic, not replay: resuming at batch 10,000 costs what batch 10 costs.
+
+        Args:
+            state: what :meth:`state_dict` returned, read from a save.
 
         Raises:
             InvalidArgumentError: the state is not a loader's (a field that is not a whole

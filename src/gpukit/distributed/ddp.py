@@ -185,6 +185,20 @@ def prepare(
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
     >>> model, opt = prepare(model, opt, shard=True)  # doctest: +SKIP
 
+    Args:
+        model: the model to train, bare (prepare moves it and wraps it for several processes).
+        optimizer: its optimizer, or None.
+        loader: the DataLoader to shard over the processes, or None.
+        per_device_batch_size: with a loader, the samples each process loads per micro-batch.
+        global_batch_size: with a loader, the samples one optimizer step sees over all
+            processes (instead of ``per_device_batch_size``).
+        accumulate: micro-batches per optimizer step, 1 or more; None: 1.
+        precision: "fp32" (the default), "bf16-mixed", "fp16-mixed" or "auto".
+        seed: the shuffle's seed, the same on every rank (0 by default).
+        ddp_kwargs: options for ``DistributedDataParallel``, or None.
+        shard: False (DDP, the default); or FSDP2 with True (repeated blocks as units), the
+            module classes to shard as units, or a function that says whether to shard one.
+
     Raises:
         InvalidArgumentError: an object of the wrong type, batch sizes that do not fit together,
             ``accumulate`` without a loader or with a model wrapped in DDP already, an unknown

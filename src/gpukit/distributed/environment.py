@@ -492,6 +492,9 @@ def environment(env: Mapping[str, str] | None = None) -> Environment:
     ...     "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"})
     >>> e.rank, e.local_rank, e.node_rank, e.master_addr, e.master_port, e.source
     (5, 1, 1, 'gpu07', 19242, 'slurm')
+
+    Args:
+        env: the variables to read; None: ``os.environ``.
     """
     env = os.environ if env is None else env
     for launcher in _LAUNCHERS:

@@ -32,7 +32,11 @@ __all__ = ["free_port", "launch"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now (the OS picks it)."""
+    """A TCP port on ``host`` that nothing listens on right now (the OS picks it).
+
+    Args:
+        host: the address to bind to look for a free port (127.0.0.1 by default).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
@@ -230,6 +234,16 @@ def launch(
     Raises :class:`~gpukit.errors.WorkerFailedError` naming each failed rank and its error.
 
     >>> # results = gk.distributed.launch(train, 2, config)   # [rank 0's result, rank 1's]
+
+    Args:
+        fn: the function each process runs; picklable (module level) unless ``start_method``
+            is "fork".
+        nprocs: how many processes, 1 or more.
+        *args: the arguments ``fn`` is called with, picklable.
+        backend: the process group's backend; None: as :func:`init` picks it.
+        start_method: how the processes start: "spawn" (the default), "fork" or
+            "forkserver".
+        host: the address of the rendezvous (127.0.0.1: this machine).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

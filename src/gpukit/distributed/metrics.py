@@ -28,6 +28,10 @@ def all_reduce_mean(x: torch.Tensor | float, *, weight: float | None = None) -> 
     >>> all_reduce_mean(2.0)        # one process: its own value
     2.0
     >>> # dist.all_reduce_mean(loss, weight=len(x))            # the global batch's mean loss
+
+    Args:
+        x: this process's value: a tensor or a number.
+        weight: this process's weight, 0 or more (its batch's samples); None: equal weights.
     """
     if isinstance(x, bool) or not isinstance(x, (torch.Tensor, int, float)):
         raise InvalidArgumentError(
@@ -184,6 +188,10 @@ def gather_for_metrics(x: T) -> T:
     exactly once. Outside such a loop it gathers
     everything, concatenated in rank order. The batch is that of the prepared loader being
     iterated now (the innermost loop; :func:`gpukit.train.context.current_context`).
+
+    Args:
+        x: this process's per-sample values: a tensor with one row per sample, or a nesting of
+            them (dicts, lists, tuples, dataclasses).
     """
     ctx = _ready()
     if not ctx.distributed or ctx.world_size == 1:

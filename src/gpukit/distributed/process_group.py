@@ -120,6 +120,11 @@ def init(
 
     >>> init().world_size            # plain `python script.py`
     1
+
+    Args:
+        backend: "nccl", "gloo" (or "cpu:gloo,cuda:nccl"); None: NCCL where this process
+            sees a GPU, gloo otherwise.
+        timeout: how long a collective may wait for the other ranks; None: torch's default.
     """
     global _context
     _check_backend(backend)
@@ -261,7 +266,12 @@ def barrier() -> None:
 
 
 def print_main(*objects: Any, **kwargs: Any) -> None:
-    """``print`` on the main process only, so N processes do not print every line N times."""
+    """``print`` on the main process only, so N processes do not print every line N times.
+
+    Args:
+        *objects: what to print, as ``print`` takes it.
+        **kwargs: ``print``'s options (``sep``, ``end``, ``file``, ``flush``).
+    """
     if is_main():
         print(*objects, **kwargs)
 
@@ -272,7 +282,11 @@ class _MainOnly(logging.Filter):
 
 
 def get_logger(name: str) -> logging.Logger:
-    """A ``logging`` logger whose records are kept on the main process and dropped elsewhere."""
+    """A ``logging`` logger whose records are kept on the main process and dropped elsewhere.
+
+    Args:
+        name: the logger's name, as ``logging.getLogger`` takes it.
+    """
     logger = logging.getLogger(name)
     if not any(isinstance(f, _MainOnly) for f in logger.filters):
         logger.addFilter(_MainOnly())

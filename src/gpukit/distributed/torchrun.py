@@ -64,6 +64,10 @@ def torchrun_args(nproc_per_node: int, env: Mapping[str, str] | None = None) -> 
     ...     "SKYPILOT_NODE_IPS": "10.0.0.5\\n10.0.0.6", "MASTER_PORT": "29400"})
     ['--nnodes=2', '--nproc-per-node=4', '--rdzv-backend=c10d', \
 '--rdzv-endpoint=10.0.0.5:29400', '--rdzv-id=gpukit-29400']
+
+    Args:
+        nproc_per_node: the processes to start on this node, 1 or more.
+        env: the job's variables; None: ``os.environ``.
     """
     if (
         isinstance(nproc_per_node, bool)

@@ -225,6 +225,9 @@ def visible_devices(inventory: Inventory | None = None) -> VisibleDevices:
 
     Without an NVIDIA driver, ``devices`` is ``None`` and only the parsed entries are given.
 
+    Args:
+        inventory: the machine's GPUs already read; None: read them now.
+
     Raises:
         NvmlError: NVML started but could not read the GPUs.
         InvalidArgumentError: ``GPUKIT_FAKE_NVML`` names a machine description gpukit refuses.
@@ -243,6 +246,10 @@ def physical_index(i: int, inventory: Inventory | None = None) -> int:
     """The NVML (nvidia-smi) index of the GPU this process calls ``cuda:i``.
 
     For a MIG instance, the index of the GPU it belongs to.
+
+    Args:
+        i: the CUDA index in this process (``cuda:i``).
+        inventory: the machine's GPUs already read; None: read them now.
 
     Raises:
         InvalidArgumentError: ``i`` is not a whole number.
@@ -348,6 +355,10 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
 
     >>> set_visible_devices("GPU-6513270e")       # a UUID, or a unique prefix of one
     'GPU-6513270e'
+
+    Args:
+        ids: NVML indices, UUIDs or MIG UUIDs, one or several (an int, a string, or an
+            iterable).
 
     Raises:
         CudaAlreadyInitializedError: the CUDA driver has started in this process, by any

@@ -44,7 +44,11 @@ _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` means "not enough memory": ``torch.OutOfMemoryError`` or a known message."""
+    """Whether ``exc`` means "not enough memory": ``torch.OutOfMemoryError`` or a known message.
+
+    Args:
+        exc: the exception to look at.
+    """
     if isinstance(exc, _OOM_TYPES):
         return True
     if isinstance(exc, RuntimeError) and exc.args and isinstance(exc.args[0], str):
@@ -161,6 +165,13 @@ def find_batch_size(
     ...         raise torch.OutOfMemoryError("CUDA out of memory. (a simulated limit)")
     >>> find_batch_size(step, start=8, maximum=1024)
     48
+
+    Args:
+        fn: one representative step at the given batch size; None: used as a decorator.
+        start: the first size tried, 1 or more.
+        maximum: the largest size tried (required: a CPU with swap never runs out).
+        floor: the smallest size tried, 1 or more.
+        growth: the factor sizes grow by until the first out-of-memory, above 1.
     """
     if fn is not None and not callable(fn):
         raise InvalidArgumentError(

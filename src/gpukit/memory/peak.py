@@ -81,6 +81,9 @@ def track_peak(device: DeviceLike | None = None) -> Iterator[PeakMemory]:
     ...     x = torch.ones(1 << 20)
     >>> mem.peak >= mem.start
     True
+
+    Args:
+        device: the device to measure; None: ``gk.device("auto")``.
     """
     dev = _parse_device("auto" if device is None else device)
     if dev.type not in ("cuda", "cpu"):

@@ -202,6 +202,11 @@ def memory_report(
     memory on cpu
       allocated      48.0 MiB
       ...
+
+    Args:
+        device: the device to report on; None: ``gk.device("auto")``.
+        module: a model whose tensors are named in the report, or None.
+        top: how many of the largest tensors to list.
     """
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise InvalidArgumentError(
@@ -314,6 +319,9 @@ def free_memory(*objs: object) -> FreedReport:
     >>> model, opt = torch.nn.Linear(1024, 1024), None
     >>> print(free_memory(model))  # doctest: +SKIP
     freed 4.0 MiB of tensors
+
+    Args:
+        *objs: the objects whose tensors to release (modules, optimizers, tensors, containers).
     """
     for obj in objs:
         if not isinstance(

@@ -74,6 +74,12 @@ def parallel_apply(
     >>> nets = [torch.nn.Identity(), torch.nn.Identity()]
     >>> parallel_apply(nets, [torch.zeros(1), (torch.ones(1),)])
     [tensor([0.]), tensor([1.])]
+
+    Args:
+        replicas: the callables, one per device.
+        inputs: each replica's positional inputs (a tuple, or one value).
+        kwargs: each replica's keyword inputs, or None.
+        devices: each replica's device (its CUDA stream and device are set), or None.
     """
     count = len(replicas)
     if len(inputs) != count or (kwargs is not None and len(kwargs) != count):

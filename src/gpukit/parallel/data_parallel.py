@@ -52,6 +52,14 @@ class DataParallel(nn.Module):
     >>> net = DataParallel(torch.nn.Linear(4, 2), device_ids=["cpu"] * 4)
     >>> net(torch.randn(9, 4)).shape
     torch.Size([9, 2])
+
+    Args:
+        module: the module to run on every device; its parameters on ``device_ids[0]``.
+        device_ids: the devices to split each batch over, repeats allowed (``["cpu"] * 4``);
+            None: every visible CUDA device, else the CPU.
+        output_device: where the outputs are gathered; None: ``device_ids[0]``.
+        dim: the dimension of the inputs split into chunks (0: the batch).
+        min_chunk: the fewest samples a replica gets, 1 or more (for BatchNorm).
     """
 
     def __init__(

@@ -32,6 +32,11 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     >>> out = gather([{"y": torch.ones(2, 3), "n": 2}, {"y": torch.ones(1, 3), "n": 1}], "cpu")
     >>> out["y"].shape, out["n"]
     (torch.Size([3, 3]), [2, 1])
+
+    Args:
+        outputs: one output per replica, alike in structure.
+        target_device: where the combined output goes.
+        dim: the dimension tensors are concatenated along.
     """
     if len(outputs) == 0:
         raise InvalidArgumentError(

@@ -207,6 +207,10 @@ def replicate(module: nn.Module, devices: Sequence[DeviceLike]) -> list[nn.Modul
     >>> (a(torch.ones(1, 3)) + b(torch.ones(1, 3))).sum().backward()
     >>> net.weight.grad
     tensor([[2., 2., 2.]])
+
+    Args:
+        module: the module to copy.
+        devices: one device per copy, repeats allowed.
     """
     if len(devices) == 0:
         raise InvalidArgumentError(

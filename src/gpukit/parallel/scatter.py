@@ -31,6 +31,11 @@ def chunk_sizes(total: int, replicas: int, *, min_chunk: int = 1) -> list[int]:
     [1, 1, 1]
     >>> chunk_sizes(9, 4, min_chunk=4)
     [5, 4]
+
+    Args:
+        total: the samples to split, 0 or more.
+        replicas: the devices at most.
+        min_chunk: the fewest samples a chunk holds, 1 or more.
     """
     if replicas < 1:
         raise InvalidArgumentError(
@@ -95,6 +100,12 @@ def scatter(
     >>> parts = scatter(({"x": torch.zeros(9, 2)}, 0.5), ["cpu"] * 4)
     >>> [p[0]["x"].shape[0] for p in parts], parts[1][1]
     ([3, 2, 2, 2], 0.5)
+
+    Args:
+        inputs: a tensor or any nesting of them; other leaves are copied to every chunk.
+        devices: one device per chunk, repeats allowed.
+        dim: the dimension to split along.
+        min_chunk: the fewest samples a chunk holds, 1 or more.
     """
     if len(devices) == 0:
         raise InvalidArgumentError(

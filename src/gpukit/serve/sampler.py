@@ -88,14 +88,22 @@ def _bucket_means(
 
 
 class History:
-    """Utilisation and memory of each GPU over the last hour, kept in memory."""
+    """Utilisation and memory of each GPU over the last hour, kept in memory.
+
+    Args:
+        span_s: how many seconds of readings to keep (an hour).
+    """
 
     def __init__(self, span_s: float = HISTORY_S) -> None:
         self.span_s = span_s
         self._series: dict[str, _Series] = {}
 
     def add(self, inv: Inventory) -> None:
-        """Record one reading and forget what is older than the span."""
+        """Record one reading and forget what is older than the span.
+
+        Args:
+            inv: one reading of the machine.
+        """
         now = inv.taken_at
         for gpu in inv.gpus:
             if not gpu.uuid:
@@ -113,7 +121,12 @@ class History:
 
     def chart(self, now: float, points: int = CHART_POINTS) -> dict[str, Any]:
         """``{uuid: {"util": [...], "memory": [...]}}``: ``points`` bucket means (0..1 or null)
-        over the span ending at ``now``, oldest first."""
+        over the span ending at ``now``, oldest first.
+
+        Args:
+            now: the end of the span, in ``time.time()`` seconds.
+            points: how many buckets to split the span into.
+        """
         start = now - self.span_s
         out: dict[str, Any] = {}
         for uuid, s in self._series.items():
@@ -144,6 +157,11 @@ class Sampler:
     >>> sampler.latest.metrics.startswith(b"# HELP")
     True
     >>> sampler.stop()
+
+    Args:
+        interval: seconds between readings, above 0.
+        read: reads the machine; the default is :func:`gpukit.inventory`.
+        host: the name this machine's readings are labelled with; None: its hostname.
     """
 
     def __init__(

@@ -111,7 +111,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class DashboardServer(ThreadingHTTPServer):
-    """Serves ``sampler``'s last sample on ``address`` until :meth:`close`."""
+    """Serves ``sampler``'s last sample on ``address`` until :meth:`close`.
+
+    Args:
+        address: the host and port to listen on.
+        sampler: the sampler whose last reading is served.
+        max_connections: connections served at once at most; more are refused.
+    """
 
     daemon_threads = True
     allow_reuse_address = True
@@ -170,6 +176,9 @@ class DashboardServer(ThreadingHTTPServer):
         browser could otherwise point a name it controls at 127.0.0.1 (DNS rebinding) and read
         the user names and command lines the page shows. Served on another address, the admin
         chose who may reach it, and any name is answered.
+
+        Args:
+            header: the request's ``Host`` header, or None when it had none.
         """
         if not self.loopback or header is None:
             return True
@@ -188,7 +197,11 @@ class DashboardServer(ThreadingHTTPServer):
         return f"http://{shown}:{port}/"
 
     def page(self, path: str) -> tuple[bytes, str] | None:
-        """The body and content type served at ``path``, or None for an unknown path."""
+        """The body and content type served at ``path``, or None for an unknown path.
+
+        Args:
+            path: the request's path, query left out.
+        """
         if path in self._static:
             return self._static[path]
         sample = self.sampler.latest
@@ -222,7 +235,11 @@ class DashboardServer(ThreadingHTTPServer):
 
 
 def is_loopback(host: str) -> bool:
-    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost).
+
+    Args:
+        host: a host name or address.
+    """
     if host == "localhost":
         return True
     try:

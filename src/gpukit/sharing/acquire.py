@@ -219,6 +219,22 @@ def acquire(
     >>> held.indices, held.release()                       # doctest: +SKIP
     ([3], None)
 
+    Args:
+        n: how many GPUs to claim, 1 or more.
+        min_free: the free memory a GPU needs: bytes, or a size such as ``"8GiB"``; None: any.
+        max_util: the highest utilisation a GPU may have, in percent; None: any.
+        max_processes: how many processes may already hold memory on it; None: as :func:`pick`.
+        exclude: NVML indices or UUIDs never to choose.
+        order: which GPUs first: ``"free"`` (most free memory), ``"util"`` or ``"index"``.
+        wait: whether to wait in line for GPUs that do not qualify yet.
+        timeout: seconds to wait at most (implies ``wait``); None: no limit.
+        poll: seconds between readings while waiting; None: ``$GPUKIT_POLL_INTERVAL`` or 2.
+        settle: polls in a row the GPUs must qualify in before they are claimed.
+        command: what the claim records as its command; None: this process's command line.
+        on_status: called with a line of text at each poll while waiting, or None.
+        read: reads the GPUs; None: :func:`gpukit.inventory`.
+        all_gpus: whether to choose among every GPU, not only those granted to this process.
+
     Raises:
         NoGpuAvailableError: without ``wait``, too few GPUs qualify now; with it, too few
             could ever qualify (exit 4).
@@ -265,6 +281,15 @@ def acquire_request(
     (default :func:`.lock_folder`) and ``policy`` its policy, already loaded
     from it (default :func:`~gpukit.sharing.policy.load_policy`). The request is not checked
     again; only what needs the machine is (an ``exclude`` naming no GPU of it, the grant).
+
+    Args:
+        request: what to claim and how to wait, checked once (:class:`GpuRequest`).
+        machine: the GPUs already read, or None to read them now.
+        folder: the lock folder; None: the machine's (``$GPUKIT_LOCK_DIR`` or the default).
+        policy: the lock folder's policy; None: read from ``folder``.
+        command: what the claim records as its command; None: this process's command line.
+        on_status: called with a line of text at each poll while waiting, or None.
+        read: reads the GPUs; None: :func:`gpukit.inventory`.
 
     Raises:
         NoGpuAvailableError: too few GPUs qualify now (without ``wait``) or could ever

@@ -349,6 +349,11 @@ def claim(
     All or nothing: when one GPU is held by another process, none is claimed. ``command`` is
     recorded for ``gpukit list`` (default: this process's command line).
 
+    Args:
+        gpus: the GPUs to hold, or their UUIDs.
+        command: what the claim records as its command; None: this process's command line.
+        folder: the lock folder; None: the machine's (``$GPUKIT_LOCK_DIR`` or the default).
+
     Raises:
         ClaimError: another process holds one of the GPUs (the message names each holder);
             nothing is claimed.

@@ -56,6 +56,18 @@ def pick(
     >>> gpus = pick(2, min_free="20GiB")                  # doctest: +SKIP
     >>> with gk.claim(gpus): ...                          # doctest: +SKIP
 
+    Args:
+        n: how many GPUs, 1 or more.
+        min_free: the free memory a GPU needs: bytes, or a size such as ``"8GiB"``; None: any.
+        max_util: the highest utilisation a GPU may have, in percent; None: any.
+        max_processes: how many processes may already hold memory on it; None: 0, or no limit
+            when ``min_free`` is given.
+        exclude: NVML indices or UUIDs never to choose.
+        order: which GPUs first: ``"free"`` (most free memory), ``"util"`` or ``"index"``.
+        inventory: the machine's GPUs already read; None: read them now.
+        claims: the claims already read; None: read them now (the policy then applies too).
+        all_gpus: whether to choose among every GPU, not only those granted to this process.
+
     Raises:
         NoGpuAvailableError: fewer than ``n`` GPUs qualify; the message explains each
             rejection (exit 4).

@@ -61,6 +61,12 @@ class Accumulation:
     one item unless a count is given. What it counts is written into the same context, so the
     gradient all-reduce reads the settled weight from there.
 
+    Args:
+        steps: micro-batches per optimizer step, 1 or more.
+        distributed: whether counts given by the caller are summed over the process group.
+        scaled: whether the loss is scaled (fp16 mixed precision, a gradient scaler).
+        context: the step context to read and write; None: a new one.
+
     Raises:
         InvalidArgumentError: ``steps`` is not a whole number from 1, or ``context`` was made
             for another number of micro-batches per step.
@@ -88,7 +94,14 @@ class Accumulation:
 
     def begin(self, index: int, length: int, samples: int, window_samples: int) -> None:
         """The next micro-batch is ``index`` of ``length`` in its window, with ``samples`` here
-        (see :meth:`StepContext.place`)."""
+        (see :meth:`StepContext.place`).
+
+        Args:
+            index: the micro-batch's place in its window, from 0.
+            length: the micro-batches in the window.
+            samples: this rank's samples in the micro-batch.
+            window_samples: the window's samples over every rank.
+        """
         self.context.place(index, length, samples, window_samples)
 
     @property
@@ -103,6 +116,9 @@ class Accumulation:
 
     def loss_weight(self, count: object | None) -> float:
         """Record this micro-batch's count and return the factor for its (mean) loss.
+
+        Args:
+            count: the items this micro-batch's loss averages over; None: its samples.
 
         Raises:
             InvalidArgumentError: ``count`` is not a whole number of items; nothing is counted.
@@ -159,6 +175,9 @@ class Accumulation:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
 
+        Args:
+            state: what :meth:`state_dict` returned.
+
         Raises:
             InvalidArgumentError: the state was saved with another number of micro-batches.
         """
@@ -193,6 +212,11 @@ def plan_accumulation(
 
     >>> plan_accumulation(256, largest_micro_batch=40, world_size=2)
     AccumulationPlan(micro_batch_size=32, steps=4)
+
+    Args:
+        global_batch_size: the samples one optimizer step sees over all processes.
+        largest_micro_batch: the largest micro-batch that fits on one device.
+        world_size: how many processes share each global batch (1).
 
     Raises:
         InvalidArgumentError: a size is not a positive whole number, or the global batch

@@ -61,6 +61,10 @@ class StepContext:
     step's items over every rank) and ``gradient_weight`` (this rank's factor on its
     accumulated gradient). ``in_pass`` says whether its loader is being iterated.
 
+    Args:
+        accumulate: micro-batches per optimizer step, 1 or more.
+        precision: the resolved precision the step trains with, or None.
+
     Raises:
         InvalidArgumentError: ``accumulate`` is not a whole number from 1.
     """
@@ -102,6 +106,13 @@ class StepContext:
 
         ``window_samples`` counts the step's samples over every rank, ``global_samples`` the
         micro-batch's (``samples`` when not given: one process).
+
+        Args:
+            index: the micro-batch's place in its step, from 0.
+            length: the micro-batches in the step.
+            samples: this rank's samples in the micro-batch.
+            window_samples: the step's samples over every rank.
+            global_samples: the micro-batch's samples over every rank; None: ``samples``.
         """
         self.placed = True
         self.index, self.length = index, length

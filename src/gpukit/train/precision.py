@@ -121,6 +121,10 @@ def resolve_precision(request: object, device: torch.device) -> Precision:
 
     ``"auto"`` logs what it chose and why (logger ``gpukit.train``, INFO).
 
+    Args:
+        request: a name of :data:`PRECISIONS` ("auto", "bf16-mixed", "fp16-mixed", "fp32").
+        device: the device the model trains on.
+
     Raises:
         InvalidArgumentError: ``request`` is not one of :data:`PRECISIONS`.
         DeviceError: the device cannot run the request natively (fp16 on a CPU, bf16 on a CUDA

@@ -128,6 +128,15 @@ class Preemption:
     itself: the loop must reach its next check (Slurm kills the job ``KillWait`` seconds,
     30 by default, after its SIGTERM).
 
+    Args:
+        signals: the signals that ask the job to stop (SIGUSR1 and SIGTERM).
+        requeue_on: those of them after which the job is requeued under Slurm (SIGUSR1).
+        requeue: False: never ask Slurm to requeue.
+        group: the process group that stops together; None: the default group, if any.
+        env: the variables to read the Slurm job from; None: ``os.environ``.
+        state: the training state or training step whose optimizer steps bound the stops;
+            None: the prepared loader's step being iterated.
+
     Raises:
         InvalidArgumentError: ``signals`` is empty or not signals, ``requeue_on`` names a
             signal not in ``signals``, ``requeue`` is not a bool, ``state`` is neither a
@@ -252,6 +261,10 @@ class Preemption:
         saves nothing. Every rank must call this after :meth:`should_stop` said True, so that
         the save and the requeue happen once for the whole job: once every rank has saved, rank
         0 asks Slurm to requeue and tells every rank what came of it (:attr:`Preempted.requeue`).
+
+        Args:
+            save: what saves the state: a callable, an object with ``save()`` (a
+                ``gk.TrainingState``, waited for), or None (nothing saved).
 
         Raises:
             InvalidArgumentError: called between the micro-batches of an optimizer step (which

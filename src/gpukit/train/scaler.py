@@ -22,7 +22,12 @@ _LOG = logging.getLogger("gpukit.train")
 
 
 class LossScaler:
-    """A ``torch.amp.GradScaler`` with its skipped steps counted and reported."""
+    """A ``torch.amp.GradScaler`` with its skipped steps counted and reported.
+
+    Args:
+        device_type: "cuda" or "cpu", as ``torch.amp.GradScaler`` takes it.
+        **grad_scaler_kwargs: ``GradScaler``'s options (``init_scale``, ``growth_interval``...).
+    """
 
     def __init__(self, device_type: str, **grad_scaler_kwargs: Any) -> None:
         self.scaler = torch.amp.GradScaler(device_type, **grad_scaler_kwargs)
@@ -31,17 +36,29 @@ class LossScaler:
         self._unscaled = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the current scale, to call ``backward()`` on."""
+        """The loss times the current scale, to call ``backward()`` on.
+
+        Args:
+            loss: the loss to call ``backward()`` on, a scalar tensor.
+        """
         return self.scaler.scale(loss)
 
     def unscale(self, optimizer: Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale (once per step), before clipping."""
+        """Divide the optimizer's gradients by the scale (once per step), before clipping.
+
+        Args:
+            optimizer: the optimizer whose gradients to unscale.
+        """
         if not self._unscaled:
             self.scaler.unscale_(optimizer)
             self._unscaled = True
 
     def step(self, optimizer: Optimizer) -> bool:
-        """Step unless the gradients hold inf or NaN; update the scale. True when it stepped."""
+        """Step unless the gradients hold inf or NaN; update the scale. True when it stepped.
+
+        Args:
+            optimizer: the optimizer to step.
+        """
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
@@ -76,7 +93,11 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+        """
         self.scaler.load_state_dict(state["scaler"])
         self.steps = int(state["steps"])
         self.skipped_steps = int(state["skipped_steps"])

@@ -109,6 +109,19 @@ class TrainingState:
     those that differ at a save); what differs per rank goes in ``rank_extras``, saved by each
     rank. ``asynchronous`` makes :meth:`save` return once the state is copied to host memory.
 
+    Args:
+        folder: the folder the saves go in (created at the first save); yours, or root's.
+        model: the model being trained, wrapped (DDP, FSDP2, DataParallel) or not.
+        optimizer: its optimizer, or None.
+        scheduler: its learning-rate scheduler, or None.
+        scaler: a gradient scaler of your own (prepare's is in the training step), or None.
+        loader: the loader (a prepared one resumes mid-epoch), or None.
+        train_step: the training step; None: ``loader.train_step`` when the loader has one.
+        extras: more objects or plain data, alike on every rank, saved once by rank 0.
+        rank_extras: objects or plain data of each rank's own, saved by each rank.
+        keep: how many complete saves to keep, 1 or more (2 by default).
+        asynchronous: whether :meth:`save` returns once the state is in host memory (True).
+
     Raises:
         InvalidArgumentError: a part lacks ``state_dict``/``load_state_dict``, an extra is
             neither stateful nor plain data, ``keep`` is not a positive whole number, or
@@ -264,6 +277,10 @@ class TrainingState:
         ``extras`` are written by rank 0 alone: when they differ between the ranks, a warning
         (logger ``gpukit.train``) names those that do; put them in ``rank_extras`` instead.
 
+        Args:
+            asynchronous: True: return once the state is in host memory; False: once it is on disk;
+                None: as the state was built.
+
         Raises:
             InvalidArgumentError: ``asynchronous`` is not True, False or None; or the training
                 step is between the micro-batches of an optimizer step (on every rank).
@@ -395,6 +412,9 @@ class TrainingState:
         do not match the digests written with them: a damaged newest save falls back to the
         newest intact one. What each part holds is checked against the live object before its
         own ``load_state_dict`` sees it.
+
+        Args:
+            folder: the folder to resume from; None: this state's ``folder``.
 
         Raises:
             CheckpointError: the chosen save does not fit these objects (another model, another

@@ -93,6 +93,15 @@ class TrainStep:
     installs); otherwise the gradients are weighted here before the step. ``distributed`` makes
     user-given counts summed over the group.
 
+    Args:
+        model: the model whose gradients are stepped.
+        optimizer: its optimizer.
+        precision: a precision name or a resolved ``Precision``; None: the context's, else fp32.
+        accumulate: micro-batches per optimizer step, 1 or more; None: the context's, else 1.
+        hooked: whether the model's gradient all-reduce applies the weights itself.
+        distributed: whether counts given by the caller are summed over the process group.
+        context: the step context shared with a loader and a hook; None: a new one.
+
     Raises:
         InvalidArgumentError: ``precision`` is neither a known name nor a ``Precision``,
             ``accumulate`` is not a whole number from 1 (or differs from the context's), or the
@@ -169,7 +178,14 @@ class TrainStep:
     def begin(self, index: int, length: int, samples: int, window_samples: int) -> None:
         """Place the next micro-batch: ``index`` of ``length`` in its optimizer step, with
         ``samples`` of the step's ``window_samples``. A prepared loader does it itself (through
-        the context); call it in a loop of your own that cuts its batches into micro-batches."""
+        the context); call it in a loop of your own that cuts its batches into micro-batches.
+
+        Args:
+            index: the micro-batch's place in its step, from 0.
+            length: the micro-batches in the step.
+            samples: this rank's samples in the micro-batch.
+            window_samples: the step's samples over every rank.
+        """
         self.context.place(index, length, samples, window_samples)
 
     def _set_gradient_sync(self, last: bool) -> None:
@@ -296,6 +312,9 @@ class TrainStep:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
 
+        Args:
+            state: what :meth:`state_dict` returned.
+
         Raises:
             InvalidArgumentError: the state holds a scaler and this step has none, or the other
                 way round.
@@ -415,6 +434,14 @@ def step(
     It reaches the training step of the prepared loader being iterated now (the innermost
     such loop; :func:`~gpukit.train.context.current_context`): ``loader.train_step(loss)`` is
     the same call, without the lookup.
+
+    Args:
+        loss: this micro-batch's loss, a scalar tensor (its mean over the micro-batch).
+        count: the items the loss averages over (tokens, say); None: the micro-batch's samples.
+        clip_grad_norm: the largest total 2-norm of the step's gradients, above 0; None: no
+            clipping.
+        before_optimizer_step: called once the step's gradients are weighed, unscaled and
+            clipped, just before the optimizer steps; None: nothing.
 
     Raises:
         InvalidArgumentError: no loader prepared with an optimizer is being iterated, or
