@@ -35,6 +35,7 @@ from gpukit.distributed.torchrun import torchrun_args
 # Everything else needs torch: loaded on first use.
 _EXPORTS = {
     "DistributedLoader": "gpukit.distributed.data",
+    "WorkerStart": "gpukit.distributed.data",
     "free_port": "gpukit.distributed.launcher",
     "launch": "gpukit.distributed.launcher",
     "all_reduce_mean": "gpukit.distributed.metrics",
@@ -59,6 +60,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from gpukit.distributed.data import DistributedLoader as DistributedLoader
+    from gpukit.distributed.data import WorkerStart as WorkerStart
     from gpukit.distributed.ddp import prepare as prepare
     from gpukit.distributed.launcher import free_port as free_port
     from gpukit.distributed.launcher import launch as launch
@@ -79,6 +81,7 @@ __all__ = [
     "DistributedContext",
     "DistributedLoader",
     "Environment",
+    "WorkerStart",
     "all_reduce_mean",
     "barrier",
     "environment",
