@@ -880,15 +880,20 @@ def _last_complete(run: RunResult) -> int | None:
 # --- the matrix ---------------------------------------------------------------------------------
 
 
-# The faults that ask the run to stop (a signal to a rank, a launcher signalled or killed):
-# the run must stop at a step's end, never fail mid-step with an error of its own.
-STOP_KINDS = ("signal", "launcher")
+def _asks_to_stop(record: Record) -> bool:
+    """Whether the fault asks the run to stop (a signal to a rank; ``gpukit run`` signalled,
+    or killed, which tells torchrun to stop): the run must then stop at a step's end, never
+    fail mid-step. A rank killed is no request: the others' errors follow from it."""
+    target = record.params.get("target")
+    return record.kind == "signal" or (
+        record.kind == "launcher" and target in ("signal", "grandparent")
+    )
 
 
 def _unclean_stop(record: Record) -> bool:
     """Whether a run asked to stop failed instead, with an untyped error (a DataLoader worker
     killed by the signal, say)."""
-    return record.kind in STOP_KINDS and any(e.startswith("untyped") for e in record.fault_errors)
+    return _asks_to_stop(record) and any(e.startswith("untyped") for e in record.fault_errors)
 
 
 def summarize(records: Sequence[Record], seconds: float) -> dict[str, Any]:

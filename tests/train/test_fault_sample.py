@@ -131,10 +131,8 @@ def test_no_process_is_left_behind(matrix: dict[str, Any]) -> None:
 
 
 def test_every_run_asked_to_stop_stops_without_an_error_of_its_own(matrix: dict[str, Any]) -> None:
-    unclean = [r for r in matrix["records"] if r.kind in ("signal", "launcher") and r.fault_errors]
-    assert not [r for r in unclean if any(e.startswith("untyped") for e in r.fault_errors)], _said(
-        unclean, "unclean stops"
-    )
+    unclean = [r for r in matrix["records"] if _bench()._unclean_stop(r)]
+    assert not unclean, _said(unclean, "unclean stops")
 
 
 def test_processes_started_before_the_matrix_are_neither_counted_nor_killed(
