@@ -91,7 +91,7 @@ def compare(
         candidates: the calls to time, by name.
         repeat: rounds of measurement; the median of each candidate's is returned.
         number: back-to-back calls per measurement.
-        warmup: untimed rounds first.
+        warmup: untimed calls of each candidate before the measurement.
     """
     for fn in candidates.values():
         for _ in range(warmup):

@@ -357,8 +357,8 @@ def set_visible_devices(ids: Iterable[object] | int | str) -> str:
     'GPU-6513270e'
 
     Args:
-        ids: NVML indices, UUIDs or MIG UUIDs, one or several (an int, a string, or an
-            iterable).
+        ids: NVML indices, GPU- or MIG- UUIDs, or GPUs from :func:`gpukit.inventory`: one
+            int, a comma-separated string, or an iterable of them.
 
     Raises:
         CudaAlreadyInitializedError: the CUDA driver has started in this process, by any

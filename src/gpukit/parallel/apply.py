@@ -79,7 +79,8 @@ def parallel_apply(
         replicas: the callables, one per device.
         inputs: each replica's positional inputs (a tuple, or one value).
         kwargs: each replica's keyword inputs, or None.
-        devices: each replica's device (its CUDA stream and device are set), or None.
+        devices: each replica's device, made the current CUDA device in its thread and named in
+            errors; None: the device each ``nn.Module`` replica is on.
     """
     count = len(replicas)
     if len(inputs) != count or (kwargs is not None and len(kwargs) != count):

@@ -102,7 +102,7 @@ def scatter(
     ([3, 2, 2, 2], 0.5)
 
     Args:
-        inputs: a tensor or any nesting of them; other leaves are copied to every chunk.
+        inputs: a tensor or any nesting of them; other leaves go to every chunk unchanged.
         devices: one device per chunk, repeats allowed.
         dim: the dimension to split along.
         min_chunk: the fewest samples a chunk holds, 1 or more.

@@ -91,7 +91,7 @@ class History:
     """Utilisation and memory of each GPU over the last hour, kept in memory.
 
     Args:
-        span_s: how many seconds of readings to keep (an hour).
+        span_s: how many seconds of readings to keep (default: an hour).
     """
 
     def __init__(self, span_s: float = HISTORY_S) -> None:

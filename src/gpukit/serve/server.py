@@ -116,7 +116,8 @@ class DashboardServer(ThreadingHTTPServer):
     Args:
         address: the host and port to listen on.
         sampler: the sampler whose last reading is served.
-        max_connections: connections served at once at most; more are refused.
+        max_connections: connections served at once at most; more are answered 503 and
+            closed.
     """
 
     daemon_threads = True

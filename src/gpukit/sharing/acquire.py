@@ -232,7 +232,7 @@ def acquire(
         settle: polls in a row the GPUs must qualify in before they are claimed.
         command: what the claim records as its command; None: this process's command line.
         on_status: called with a line of text at each poll while waiting, or None.
-        read: reads the GPUs; None: :func:`gpukit.inventory`.
+        read: reads the GPUs; by default :func:`gpukit.inventory`.
         all_gpus: whether to choose among every GPU, not only those granted to this process.
 
     Raises:
@@ -285,11 +285,13 @@ def acquire_request(
     Args:
         request: what to claim and how to wait, checked once (:class:`GpuRequest`).
         machine: the GPUs already read, or None to read them now.
-        folder: the lock folder; None: the machine's (``$GPUKIT_LOCK_DIR`` or the default).
+        folder: the lock folder; None: :func:`.lock_folder`'s (``$GPUKIT_LOCK_DIR``, the
+            configured one, or the default).
         policy: the lock folder's policy; None: read from ``folder``.
         command: what the claim records as its command; None: this process's command line.
         on_status: called with a line of text at each poll while waiting, or None.
-        read: reads the GPUs; None: :func:`gpukit.inventory`.
+        read: reads the GPUs, when ``machine`` is None and at each later poll; by default
+            :func:`gpukit.inventory`.
 
     Raises:
         NoGpuAvailableError: too few GPUs qualify now (without ``wait``) or could ever

@@ -352,7 +352,8 @@ def claim(
     Args:
         gpus: the GPUs to hold, or their UUIDs.
         command: what the claim records as its command; None: this process's command line.
-        folder: the lock folder; None: the machine's (``$GPUKIT_LOCK_DIR`` or the default).
+        folder: the lock folder; None: :func:`.lock_folder`'s (``$GPUKIT_LOCK_DIR``, the
+            configured one, or the default).
 
     Raises:
         ClaimError: another process holds one of the GPUs (the message names each holder);

@@ -66,7 +66,8 @@ def pick(
         order: which GPUs first: ``"free"`` (most free memory), ``"util"`` or ``"index"``.
         inventory: the machine's GPUs already read; None: read them now.
         claims: the claims already read; None: read them now (the policy then applies too).
-        all_gpus: whether to choose among every GPU, not only those granted to this process.
+        all_gpus: whether to choose among every GPU, not only those granted to this process,
+            when the machine is read here (a given ``inventory`` is used as it is).
 
     Raises:
         NoGpuAvailableError: fewer than ``n`` GPUs qualify; the message explains each
