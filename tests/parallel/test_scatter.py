@@ -222,3 +222,9 @@ def test_scatter_gives_each_replica_its_own_samples_of_a_tensor_passed_twice() -
     x = torch.arange(4)
     parts = scatter((x, x), ["cpu"] * 2)
     assert [[t.tolist() for t in p] for p in parts] == [[[0, 1], [0, 1]], [[2, 3], [2, 3]]]
+
+
+def test_a_negative_number_of_samples_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="split -5 samples"):
+        chunk_sizes(-5, 2)
+    assert chunk_sizes(0, 4) == [0]  # an empty batch: one empty chunk, as scatter hands it on

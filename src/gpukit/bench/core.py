@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpukit.errors import InvalidArgumentError
+
 
 @dataclass(frozen=True)
 class BenchResult:
@@ -62,13 +64,27 @@ class BenchResult:
         return data
 
 
+def _count(name: str, value: object, minimum: int) -> int:
+    """``value``, a whole number from ``minimum``; else an InvalidArgumentError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"{name}={value!r} is not a whole number from {minimum}.",
+            hint=f"Pass {name} as an int >= {minimum}.",
+        )
+    return value
+
+
 def time_call(fn: Callable[[], object], *, number: int = 1) -> float:
     """Seconds per call of ``fn``, averaged over ``number`` back-to-back calls.
 
     Args:
         fn: the call to time.
         number: back-to-back calls averaged over, 1 or more.
+
+    Raises:
+        InvalidArgumentError: ``number`` is not a whole number from 1.
     """
+    _count("number", number, 1)
     start = time.perf_counter()
     for _ in range(number):
         fn()
@@ -92,7 +108,14 @@ def compare(
         repeat: rounds of measurement; the median of each candidate's is returned.
         number: back-to-back calls per measurement.
         warmup: untimed calls of each candidate before the measurement.
+
+    Raises:
+        InvalidArgumentError: ``repeat`` or ``number`` is not a whole number from 1, or
+            ``warmup`` from 0.
     """
+    _count("repeat", repeat, 1)
+    _count("number", number, 1)
+    _count("warmup", warmup, 0)
     for fn in candidates.values():
         for _ in range(warmup):
             fn()

@@ -33,13 +33,18 @@ def chunk_sizes(total: int, replicas: int, *, min_chunk: int = 1) -> list[int]:
     [5, 4]
 
     Args:
-        total: the samples to split, 0 or more.
+        total: the samples to split, 0 or more (an empty batch: one chunk of 0).
         replicas: the devices at most.
         min_chunk: the fewest samples a chunk holds, 1 or more.
     """
     if replicas < 1:
         raise InvalidArgumentError(
             f"chunk_sizes was asked for {replicas} replicas.", hint="Pass at least one device."
+        )
+    if total < 0:
+        raise InvalidArgumentError(
+            f"chunk_sizes was asked to split {total} samples.",
+            hint="Pass a number of samples, 0 or more (an empty batch is one chunk of 0).",
         )
     if min_chunk < 1:
         raise InvalidArgumentError(
