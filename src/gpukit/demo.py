@@ -45,6 +45,18 @@ _TRAINS_ON = ("cpu", "cuda", "mps")
 class DemoConfig:
     """What the demo trains on and how, checked when made.
 
+    Args:
+        devices: the replicas' device specs (``"cuda:0"``, ``"cpu"``...); None or empty: every
+            GPU, else four CPU replicas.
+        epochs: passes over the training images, 1 or more (8).
+        batch_size: samples per optimizer step, over all replicas, 1 or more (64).
+        lr: Adam's learning rate, above 0 (``3e-3``).
+        seed: the seed set for the run and the data split (0).
+        checkpoint: where the trained model is saved and kept; None: a temporary file, removed.
+        precision: ``"fp32"`` (the default), ``"auto"``, ``"bf16-mixed"`` or ``"fp16-mixed"``;
+            checked when the demo runs (:func:`gpukit.train.resolve_precision`).
+        accumulate: micro-batches per optimizer step, 1 to ``batch_size`` (1).
+
     Raises:
         InvalidArgumentError: a count below 1, a learning rate that is not positive, or more
             micro-batches than a batch has samples.
@@ -99,7 +111,13 @@ def _check_trainable(spec: str, dev: torch.device) -> None:
 
 @dataclass(frozen=True)
 class DemoEvent:
-    """One thing that happened, for the renderer: ``kind`` plus its figures."""
+    """One thing that happened, for the renderer: ``kind`` plus its figures.
+
+    Args:
+        kind: ``"plan"``, ``"first_step"``, ``"step"``, ``"epoch"``, ``"saved"`` or
+            ``"reloaded"``.
+        data: the event's figures by name (``"loss"``, ``"acc"``, ``"samples_per_second"``...).
+    """
 
     kind: str  # plan | first_step | step | epoch | saved | reloaded
     data: dict[str, Any]
@@ -107,7 +125,27 @@ class DemoEvent:
 
 @dataclass
 class DemoResult:
-    """The demo's outcome, as ``gpukit demo --json`` prints it."""
+    """The demo's outcome, as ``gpukit demo --json`` prints it.
+
+    Args:
+        devices: the replicas' devices, as strings.
+        epochs: passes over the training images.
+        batch_size: samples per optimizer step.
+        seed: the seed the run set.
+        train_samples: how many images it trained on.
+        test_samples: how many images it was tested on.
+        replica_batch_sizes: each replica's share of a batch of 16, largest first.
+        gathered_output_shape: the shape of that batch's gathered output.
+        epoch_losses: the mean training loss of each epoch.
+        epoch_accuracies: the test accuracy after each epoch, from 0 to 1.
+        test_accuracy: the test accuracy after the last epoch, from 0 to 1.
+        reloaded_accuracy: the test accuracy of the saved model loaded into a fresh one.
+        checkpoint: where the model was saved and kept; None: a temporary file, removed.
+        prefixes_removed: the key prefixes loading stripped (``"module."``).
+        seconds: the training's wall time, in seconds (saving and reloading left out).
+        samples_per_second: training samples per second over all epochs.
+        extra: further figures: ``"precision"``, ``"accumulate"``, ``"skipped_steps"``.
+    """
 
     devices: list[str]
     epochs: int
@@ -161,6 +199,11 @@ class DigitsNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The 10 digits' logits, shape ``(N, 10)``.
+
+        Args:
+            x: a batch of images, shape ``(N, 1, 8, 8)``, values from 0 to 1.
+        """
         _record_batch(x.shape[0])
         out: torch.Tensor = self.head(self.features(x))
         return out
@@ -219,7 +262,14 @@ def run_demo(
     config: DemoConfig | None = None,
     on_event: Callable[[DemoEvent], None] | None = None,
 ) -> DemoResult:
-    """Train, evaluate, save, reload and re-evaluate; report progress through ``on_event``."""
+    """Train, evaluate, save, reload and re-evaluate; report progress through ``on_event``.
+
+    The random states are seeded with ``config.seed`` and restored when the demo ends.
+
+    Args:
+        config: what to train on and how; None: :class:`DemoConfig`'s defaults.
+        on_event: called with each :class:`DemoEvent` as it happens; None: no reports.
+    """
     config = config or DemoConfig()
     emit = on_event or (lambda event: None)
     devices: Sequence[torch.device] = (

@@ -193,6 +193,11 @@ def device_list(specs: Sequence[DeviceLike], *, what: str = "devices") -> list[t
     """Parse a list of device specs (``["cpu"] * 4``, ``[0, 1]``) with :func:`device`.
 
     A bare string or device is refused rather than read one character at a time.
+
+    Args:
+        specs: the device specs, each one :func:`device` takes; a bare str, device or int is
+            refused (:class:`~gpukit.errors.DeviceError`).
+        what: what the list is, for the message (``"devices"``).
     """
     if isinstance(specs, (str, torch.device, int)):
         raise DeviceError(

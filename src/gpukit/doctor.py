@@ -48,7 +48,13 @@ _CALL_CODES = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__cod
 
 
 def is_device_mismatch(exc: BaseException) -> bool:
-    """Whether ``exc`` is one of PyTorch's "tensors on different devices" errors."""
+    """Whether ``exc`` is one of PyTorch's "tensors on different devices" errors.
+
+    A :class:`~gpukit.errors.DeviceMismatchError` (gpukit's own diagnosis) is not.
+
+    Args:
+        exc: the exception to look at; only a ``RuntimeError`` or ``ValueError`` can be one.
+    """
     if isinstance(exc, DeviceMismatchError) or not isinstance(exc, (RuntimeError, ValueError)):
         return False
     text = str(exc)

@@ -30,6 +30,10 @@ class GpukitError(Exception):
 
     ``message`` states what was asked and what is true; ``hint`` says what to do next. ``str()``
     gives both, as one paragraph.
+
+    Args:
+        message: what was asked and what is true, one or more sentences.
+        hint: what to do next; None: no hint.
     """
 
     exit_code: ExitCode = ExitCode.INTERNAL

@@ -21,7 +21,11 @@ UNREADABLE = "record unreadable"
 
 
 def user_name(uid: int) -> str:
-    """``'alice'`` for a uid with an account, ``'uid 1234'`` otherwise."""
+    """``'alice'`` for a uid with an account, ``'uid 1234'`` otherwise.
+
+    Args:
+        uid: the numeric user id.
+    """
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -30,7 +34,16 @@ def user_name(uid: int) -> str:
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a claim, as recorded in its lock file."""
+    """Who holds a claim, as recorded in its lock file.
+
+    Args:
+        user: the holder's user name; None: unknown.
+        pid: the holding process's id; None: unknown.
+        host: the host the claim was taken on; None: unknown.
+        command: the holding process's command line; None: unknown.
+        since: when the claim was taken, in Unix seconds; None: unknown.
+        problem: why the lock file could not be read; None: it was read.
+    """
 
     user: str | None
     pid: int | None

@@ -43,6 +43,18 @@ class ReproSettings:
 
     >>> with seed_everything(0, deterministic=True):
     ...     pass  # deterministic here; everything restored afterwards
+
+    Made by :meth:`capture`, which also records the random states (the ``_``-named fields).
+
+    Args:
+        cudnn_deterministic: ``torch.backends.cudnn.deterministic`` as it was.
+        cudnn_benchmark: ``torch.backends.cudnn.benchmark`` as it was.
+        deterministic_algorithms: whether ``torch.use_deterministic_algorithms`` was on.
+        deterministic_warn_only: whether it only warned (``warn_only=True``).
+        cublas_workspace_config: ``$CUBLAS_WORKSPACE_CONFIG`` as it was; None: unset.
+        seed: the seed :func:`seed_everything` then set; None for a bare :meth:`capture`.
+        seed_source: where that seed came from: ``"argument"``, ``"GPUKIT_SEED"`` or
+            ``"default"`` (``""`` for a bare :meth:`capture`).
     """
 
     cudnn_deterministic: bool

@@ -90,6 +90,12 @@ def parse_size(
 
     >>> parse_size("8GiB"), parse_size("500MB"), parse_size(2**20), parse_size("20B")
     (8589934592, 500000000, 1048576, 20)
+
+    Args:
+        value: bytes (an int or a float, cut to whole bytes), or a string with an optional unit.
+        minimum: the fewest bytes accepted (0).
+        most: the most bytes accepted (:data:`MOST_SIZE`, 2**100); None: no bound.
+        warn_unitless_below: a unitless size from 1 byte to under this warns (0: never).
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidArgumentError(f"{_shown(value)} is not a memory size.", hint=_HINT)
@@ -134,6 +140,10 @@ def parse_shard_size(value: object, *, option: str | None = "max_shard_size") ->
 
     >>> parse_shard_size("500MiB"), parse_shard_size("2G"), parse_shard_size(".5GB")
     (524288000, 2147483648, 500000000)
+
+    Args:
+        value: an int of bytes or a size string; anything else is refused.
+        option: the option's name that messages begin with (``"max_shard_size"``); None: none.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgumentError(
@@ -162,6 +172,9 @@ def format_size(n: float) -> str:
 
     >>> format_size(512), format_size(20 * 2**10), format_size(3 * 2**29), format_size(2**36)
     ('512 B', '20 KiB', '1.5 GiB', '64 GiB')
+
+    Args:
+        n: a number of bytes; fractions and negative numbers are written too.
     """
     value = float(n)
     if abs(value) < 1024:

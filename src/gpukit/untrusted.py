@@ -99,6 +99,10 @@ def read_bounded(fd: int, limit: int) -> bytes:
 
     Reads incrementally (never asks the kernel for more than one chunk past the limit), so a
     file that claims or holds gigabytes costs ``limit`` bytes of memory at most.
+
+    Args:
+        fd: an open descriptor to read from, left open.
+        limit: the most bytes accepted, 0 or more.
     """
     chunks: list[bytes] = []
     size = 0
@@ -126,6 +130,12 @@ def open_regular(
     the open) and ``O_CLOEXEC``; then ``fstat`` must show a regular file, and with ``nlink``
     exactly one link. ``dir_fd`` opens ``path`` relative to a folder already opened and checked.
     ``OSError`` is left to the caller, who knows what a missing file means there.
+
+    Args:
+        path: the file to open.
+        dir_fd: a descriptor of the folder ``path`` is relative to; None: the working folder.
+        follow: whether a symbolic link at ``path`` is followed (False: refused).
+        nlink: whether a file with more than one hard link is refused (False: accepted).
     """
     flags = _OPEN_FLAGS & ~os.O_NOFOLLOW if follow else _OPEN_FLAGS
     try:
@@ -155,7 +165,15 @@ def read_file(
     nlink: bool = False,
 ) -> bytes:
     """The whole content of a regular file, opened as :func:`open_regular` does, at most
-    ``limit`` bytes (:class:`InvalidInput` past it). ``OSError`` is left to the caller."""
+    ``limit`` bytes (:class:`InvalidInput` past it). ``OSError`` is left to the caller.
+
+    Args:
+        path: the file to read.
+        limit: the most bytes accepted, 0 or more.
+        dir_fd: a descriptor of the folder ``path`` is relative to; None: the working folder.
+        follow: whether a symbolic link at ``path`` is followed (False: refused).
+        nlink: whether a file with more than one hard link is refused (False: accepted).
+    """
     fd = open_regular(path, dir_fd=dir_fd, follow=follow, nlink=nlink)
     try:
         return read_bounded(fd, limit)
@@ -198,6 +216,11 @@ def parse_json(data: bytes | str, *, limit: int, depth: int = DEPTH) -> object:
     text that is not UTF-8, ``NaN``/``Infinity`` and numbers that overflow to them, integers
     of more digits than Python converts, and nesting deeper than ``depth``. Nesting is checked
     *before* the parser recurses, so ``[[[[...`` a million deep costs one linear scan.
+
+    Args:
+        data: the document, as bytes (UTF-8) or text.
+        limit: the most bytes (or characters, for text) accepted.
+        depth: the deepest nesting of arrays and objects accepted (:data:`DEPTH`, 32).
     """
     if len(data) > limit:
         raise InvalidInput(f"larger than {limit} bytes")
@@ -240,6 +263,11 @@ def parse_toml(data: bytes | str, *, limit: int, depth: int = DEPTH) -> dict[str
     The same refusals as :func:`parse_json`: size before parsing, any parser failure (the
     standard library's parser recurses on nested arrays and inline tables), non-finite floats
     (TOML allows ``inf`` and ``nan``), and nesting deeper than ``depth``.
+
+    Args:
+        data: the document, as bytes (UTF-8) or text.
+        limit: the most bytes (or characters, for text) accepted.
+        depth: the deepest nesting of arrays and tables accepted (:data:`DEPTH`, 32).
     """
     if len(data) > limit:
         raise InvalidInput(f"larger than {limit} bytes")
@@ -288,6 +316,11 @@ def as_str(value: object, *, limit: int = 4096, what: str = "a field") -> str:
 
     ``type(value) is str``: a ``str`` subclass built by an unpickler can override ``__str__``,
     ``__fspath__`` or ``__eq__``; only the real type behaves as checked.
+
+    Args:
+        value: the value to check.
+        limit: the most characters accepted (4096).
+        what: what the value is, for the message (``"a field"``).
     """
     if type(value) is not str:
         raise InvalidInput(f"{what} is not a string")
@@ -298,7 +331,14 @@ def as_str(value: object, *, limit: int = 4096, what: str = "a field") -> str:
 
 def as_int(value: object, *, low: int = 0, high: int = (1 << 63) - 1, what: str = "a field") -> int:
     """``value`` if it is exactly an ``int`` (not a bool) in ``[low, high]``; else
-    :class:`InvalidInput`."""
+    :class:`InvalidInput`.
+
+    Args:
+        value: the value to check.
+        low: the smallest value accepted (0).
+        high: the largest value accepted (``2**63 - 1``).
+        what: what the value is, for the message (``"a field"``).
+    """
     if type(value) is not int:
         raise InvalidInput(f"{what} is not an integer")
     if not low <= value <= high:
@@ -313,6 +353,12 @@ def as_float(
     :class:`InvalidInput`.
 
     Compared before any conversion: ``float()`` of a 400-digit integer raises ``OverflowError``.
+
+    Args:
+        value: the value to check.
+        low: the smallest value accepted (no bound).
+        high: the largest value accepted (no bound).
+        what: what the value is, for the message (``"a field"``).
     """
     if type(value) not in (int, float):
         raise InvalidInput(f"{what} is not a number")
@@ -328,7 +374,13 @@ def as_float(
 
 def as_list(value: object, *, limit: int = 4096, what: str = "a field") -> list[Any]:
     """``value`` if it is exactly a ``list`` of at most ``limit`` items; else
-    :class:`InvalidInput`."""
+    :class:`InvalidInput`.
+
+    Args:
+        value: the value to check; its items are not checked.
+        limit: the most items accepted (4096).
+        what: what the value is, for the message (``"a field"``).
+    """
     if type(value) is not list:
         raise InvalidInput(f"{what} is not a list")
     if len(value) > limit:
@@ -338,7 +390,13 @@ def as_list(value: object, *, limit: int = 4096, what: str = "a field") -> list[
 
 def as_dict(value: object, *, limit: int = 4096, what: str = "a field") -> dict[str, Any]:
     """``value`` if it is exactly a ``dict`` with ``str`` keys and at most ``limit`` entries,
-    else :class:`InvalidInput`."""
+    else :class:`InvalidInput`.
+
+    Args:
+        value: the value to check; its values are not checked.
+        limit: the most entries accepted (4096).
+        what: what the value is, for the message (``"a field"``).
+    """
     if type(value) is not dict:
         raise InvalidInput(f"{what} is not a mapping")
     if len(value) > limit:
@@ -356,6 +414,10 @@ def printable(text: object, *, limit: int = 500) -> str | None:
     name, a user name) reaches a terminal, a page or a metric only through this function, so
     that no escape sequence (cursor moves, colours, OSC titles and hyperlinks, clear screen) is
     ever passed on.
+
+    Args:
+        text: the value to show; anything but a non-empty ``str`` gives None.
+        limit: the most characters kept (500).
     """
     if type(text) is not str or not text:
         return None
@@ -367,7 +429,13 @@ def printable(text: object, *, limit: int = 500) -> str | None:
 
 def json_safe(value: object, *, _depth: int = 0) -> object:
     """``value`` with every non-finite float (``nan``, ``inf``) replaced by ``None``, so that
-    the JSON gpukit prints is valid JSON for every reader (``--json`` outputs, ``/api/``)."""
+    the JSON gpukit prints is valid JSON for every reader (``--json`` outputs, ``/api/``).
+
+    Tuples become lists; :class:`InvalidInput` past ``4 * DEPTH`` levels of nesting.
+
+    Args:
+        value: the value to clean, walked through its dicts, lists and tuples.
+    """
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if _depth > 4 * DEPTH:
@@ -380,7 +448,13 @@ def json_safe(value: object, *, _depth: int = 0) -> object:
 
 
 def dumps(value: object, *, default: Callable[[Any], Any] | None = None, **options: Any) -> str:
-    """``json.dumps`` of :func:`json_safe` ``(value)``, refusing (never writing) ``NaN``."""
+    """``json.dumps`` of :func:`json_safe` ``(value)``, refusing (never writing) ``NaN``.
+
+    Args:
+        value: the value to write.
+        default: what ``json.dumps`` calls for an object it cannot write; None: a ``TypeError``.
+        **options: further ``json.dumps`` options (``indent``, ``sort_keys``...).
+    """
     return json.dumps(json_safe(value), allow_nan=False, default=default, **options)
 
 
@@ -389,7 +463,13 @@ def dumps(value: object, *, default: Callable[[Any], Any] | None = None, **optio
 
 @dataclass(frozen=True)
 class Streams:
-    """What :func:`read_streams` read: each stream's bytes, and why it stopped early if it did."""
+    """What :func:`read_streams` read: each stream's bytes, and why it stopped early if it did.
+
+    Args:
+        data: each stream's bytes, in the order given.
+        over_limit: the position of the first stream that passed its limit; None: none did.
+        timed_out: whether the time ran out before every stream ended.
+    """
 
     data: tuple[bytes, ...]
     """Each stream's bytes, in the order given; at most its limit (plus one chunk) each."""
@@ -412,6 +492,11 @@ def read_streams(fds: Sequence[int], limits: Sequence[int], *, timeout: float) -
     stops costs at most its limit in memory and ``timeout`` in time. Reading stops at the first
     stream past its limit or when the time is up, and :class:`Streams` says which; the caller
     then kills the writer. The descriptors are left open.
+
+    Args:
+        fds: the descriptors to read, pipes or sockets.
+        limits: the most bytes accepted from each, in the order of ``fds``.
+        timeout: the most seconds the reading takes.
 
     >>> import os
     >>> r, w = os.pipe()
@@ -456,6 +541,11 @@ def write_output(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644
     name meanwhile (a link to one of your files, a FIFO) is replaced, never opened; a reader
     sees the old file or the new one. ``OSError`` is left to the caller (a folder gone, another
     user's file in a sticky folder, a folder at the name).
+
+    Args:
+        path: the file to write, replacing whatever is there.
+        data: the bytes to write.
+        mode: the file's permission bits, less the umask (``0o644``).
 
     >>> write_output("/tmp/out.json", b"{}")   # doctest: +SKIP
     """

@@ -24,6 +24,20 @@ class BenchResult:
     ``target`` is the goal as the table prints it; ``target_ratio`` (a ratio) or
     ``target_value`` (in ``unit``) is the same goal as a number, drawn as the target mark on
     ``gpukit bench --plot``.
+
+    Args:
+        suite: the suite that measured it (``"transfer"``).
+        name: what was measured, as the table's row names it.
+        value: the figure, in ``unit``.
+        unit: its unit (``"us/call"``, ``"GB/s"``...).
+        baseline_name: the alternative measured against; None: none.
+        baseline_value: the alternative's figure, in ``unit``; None: none.
+        target: the goal as the table prints it (``"<= 1.1"``); None: no goal.
+        note: a remark printed with the row (``""``: none).
+        extra: further figures by name.
+        higher_is_better: whether a larger value is the better one (False: times, memory).
+        target_ratio: the goal as a ratio to ``baseline_value``; None: none.
+        target_value: the goal in ``unit``; None: none.
     """
 
     suite: str

@@ -33,6 +33,16 @@ class Conversion:
     top-level entries beside the weights that were not kept, ``kept`` says which part was
     (``"the weights under 'model'"``), and ``weights_only_asked`` says whether that was asked
     for (``weights_only``) rather than needed by a format that holds only tensors.
+
+    Args:
+        source: the checkpoint read, as named (a file or a folder).
+        output: what was written: a file, or a folder of shards.
+        format: ``"torch"``, ``"safetensors"`` or ``"sharded safetensors"``.
+        source_devices: the devices the tensors were saved from, where the source says so.
+        prefixes_removed: the wrapper prefixes taken off the keys (``"module."``).
+        left_out: the top-level entries beside the weights that were not kept.
+        kept: which part was kept (``"everything"``, the default, or ``"the weights"``...).
+        weights_only_asked: whether ``weights_only`` asked for the weights alone (False).
     """
 
     source: Path

@@ -55,6 +55,25 @@ class Description:
     were found; ``other_entries`` describes, in a few words each, the entries beside them (every
     entry when no weights were found). ``prefixes`` are the wrapper prefixes the keys carry, and
     ``suffix_mismatch`` says when a file's suffix names another format than its bytes.
+
+    Args:
+        path: the checkpoint, as named (a file or a folder).
+        format: what the bytes are: ``"safetensors"``, ``"torch"``, ``"sharded safetensors"``,
+            ``"sharded torch"``, ``"dcp"`` or ``"accelerate state"``.
+        layout: ``"file"``, ``"sharded"``, ``"dcp"`` or ``"accelerate"``.
+        size: bytes of all its files.
+        metadata: what gk.save recorded (empty when something else wrote it).
+        source_devices: the devices the tensors were saved from, where it says so.
+        holds: the type name of its top-level object (``"dict"``).
+        weights_found: whether model weights were found.
+        container_key: the entry the weights are under (``"model"``); None: none.
+        weights_at_top_level: whether the weights are top-level tensors beside other entries.
+        other_entries: each entry beside the weights (all, without weights), in a few words.
+        prefixes: the wrapper prefixes the weights' keys carry (``"module."``).
+        suffix_mismatch: a note when the suffix names another format than the bytes; else None.
+        tensors: one row per tensor of the weights.
+        files: a folder's files and their sizes in bytes (empty for a single file).
+        index: the name of the file listing the others; None: there is none.
     """
 
     path: Path

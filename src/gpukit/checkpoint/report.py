@@ -32,6 +32,23 @@ class LoadReport:
     (torchtitan's layout) rather than under ``container_key``. ``unread`` names the entries
     left out of ``extras`` unread, each with the reason (an ``Accelerator.save_state`` pickle
     that only ``trust=True`` reads).
+
+    Args:
+        path: the checkpoint loaded, as named (a file or a folder).
+        format: what its bytes are (``"safetensors"``, ``"torch"``, ``"dcp"``...).
+        loaded: the model's keys that received a tensor.
+        missing: the model's keys the checkpoint lacks.
+        unexpected: the checkpoint's keys (after cleaning) the model lacks.
+        mismatched: key -> ``(shape in file, shape in model)``.
+        prefixes_removed: the prefixes stripped from the checkpoint's keys.
+        source_devices: the devices the tensors were saved from, where known.
+        device: where the tensors were loaded (``"cuda:0"``).
+        container_key: the entry the weights were under (``"model"``); None: none.
+        metadata: what gk.save recorded (empty when something else wrote it).
+        extras: the other entries of a container checkpoint, read onto ``device``.
+        tied: model key -> the key it was filled from (tied weights, stored once).
+        weights_at_top_level: whether the weights were top-level tensors beside other entries.
+        unread: the entries left out of ``extras`` unread -> the reason.
     """
 
     path: Path

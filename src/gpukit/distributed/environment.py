@@ -56,6 +56,21 @@ class Environment:
     sees: its ``local_rank``, or 0 when the scheduler gave each task its own GPUs
     (``srun --gpus-per-task``; then ``bound_gpus`` is True). ``job_id`` names the job (and the
     step) for a rendezvous id.
+
+    Args:
+        rank: this process's global rank, 0 to ``world_size - 1`` (0).
+        world_size: how many processes the job has (1).
+        local_rank: its rank among the processes of its node (0).
+        local_world_size: how many of them run on its node (1).
+        node_rank: its node's rank, 0 to ``num_nodes - 1`` (0).
+        num_nodes: how many nodes the job has (1).
+        master_addr: the rendezvous host; None: not set (a single process).
+        master_port: the rendezvous TCP port; None: not set.
+        source: the launcher that said so: ``"torchrun"``, ``"slurm"``, ``"mpi"``,
+            ``"skypilot"``; None: a single process.
+        job_id: the job (and step) id, for a rendezvous id; None: unknown.
+        cuda_index: the CUDA index among those it sees that this process should use (0).
+        bound_gpus: whether the scheduler gave each task its own GPUs (False).
     """
 
     rank: int = 0

@@ -49,7 +49,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DistributedContext:
-    """This process's place in the run: ranks, backend (None when single) and its device."""
+    """This process's place in the run: ranks, backend (None when single) and its device.
+
+    Args:
+        rank: this process's global rank, 0 to ``world_size - 1``.
+        local_rank: its rank among the processes of its node.
+        world_size: how many processes the run has, 1 or more.
+        local_world_size: how many of them run on this node.
+        backend: the process group's backend (``"nccl"``, ``"gloo"``); None: a single process.
+        device: the device this process trains on (``cuda:<local GPU>``, or the CPU).
+    """
 
     rank: int
     local_rank: int

@@ -101,7 +101,16 @@ class GPU:
 
 @dataclass(frozen=True)
 class Inventory:
-    """Every GPU of the machine at one moment, with the driver that reported them."""
+    """Every GPU of the machine at one moment, with the driver that reported them.
+
+    Args:
+        gpus: the GPUs, in NVML index order.
+        driver_version: the NVIDIA driver's version (``"550.54.15"``); None: unknown.
+        cuda_driver_version: the newest CUDA version the driver supports; None: unknown.
+        taken_at: when the reading was taken, in Unix seconds (now, by default).
+        elapsed_s: how long the reading took, in seconds (0).
+        source: ``"nvml"`` (the default) or ``"fake:<file>"``.
+    """
 
     gpus: tuple[GPU, ...]
     driver_version: str | None = None
@@ -115,7 +124,14 @@ class Inventory:
     """``'nvml'``, or ``'fake:<file>'`` when GPUKIT_FAKE_NVML supplied the machine."""
 
     def gpu(self, key: int | str) -> GPU:
-        """The GPU with NVML index ``key``, or whose UUID (or a unique prefix of it) is ``key``."""
+        """The GPU with NVML index ``key``, or whose UUID (or a unique prefix of it) is ``key``.
+
+        Args:
+            key: an NVML index (an int), or a UUID or a prefix of one (``"GPU-5a1c"``).
+
+        Raises:
+            InvalidArgumentError: no GPU, or more than one, matches ``key``.
+        """
         if isinstance(key, int):
             found = [g for g in self.gpus if g.index == key]
         else:
@@ -137,6 +153,9 @@ class Inventory:
         """Rebuild an Inventory from :meth:`to_json`'s dict or its JSON text.
 
         Unknown keys are ignored, so a newer writer's additions do not break an older reader.
+
+        Args:
+            data: the dict :meth:`to_json` returns, or its JSON text (at most 64 MiB).
         """
         payload: Any = parse_json(data, limit=_MAX_JSON) if isinstance(data, str) else data
         schema = payload.get("schema") if isinstance(payload, Mapping) else None

@@ -27,6 +27,12 @@ class PeakMemory:
     CUDA: allocated bytes; CPU: the process's resident set. ``peak`` is ``None`` when the
     system gives no way to measure it (a CPU peak that never rose above the process's earlier
     peak, where the peak cannot be reset).
+
+    Args:
+        device: the device measured (``"cuda:0"``, ``"cpu"``).
+        start: the memory in use when the block started; None until it does.
+        end: the memory in use when the block ended; None until it does.
+        peak: the most in use during the block; None until it ends, or where unmeasurable.
     """
 
     device: str

@@ -35,7 +35,15 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One live tensor storage: its name where known, shape, dtype, device and size in bytes."""
+    """One live tensor storage: its name where known, shape, dtype, device and size in bytes.
+
+    Args:
+        name: its parameter or buffer path (``"Net.fc.weight"``); None: not a module's.
+        shape: the shape of the tensor seen, the view covering the most of the storage.
+        dtype: its dtype without ``torch.`` (``"float32"``).
+        device: its device (``"cuda:0"``).
+        nbytes: the storage's size, in bytes.
+    """
 
     name: str | None
     shape: tuple[int, ...]
@@ -58,13 +66,16 @@ class TensorInfo:
 class MemoryReport:
     """Memory of one device, in bytes; ``None`` where the device cannot give a reading.
 
-    - ``allocated``: bytes held by tensors (CUDA: the allocator's count; CPU: the distinct
-      storages of the live tensors found).
-    - ``reserved``: bytes the CUDA caching allocator holds from the driver (``None`` on CPU).
-    - ``peak``: CUDA: peak ``allocated`` since start or the last reset; CPU: peak RSS.
-    - ``free`` / ``total``: the device's free and total memory (CPU: available and total RAM).
-    - ``rss``: this process's resident set size.
-    - ``tensors``: the largest live tensors on the device, largest first.
+    Args:
+        device: the device reported on (``"cuda:0"``, ``"cpu"``).
+        allocated: bytes held by tensors (CUDA: the allocator's count; CPU: the distinct
+            storages of the live tensors found).
+        reserved: bytes the CUDA caching allocator holds from the driver (``None`` on CPU).
+        peak: CUDA: peak ``allocated`` since start or the last reset; CPU: peak RSS.
+        free: the device's free memory (CPU: available RAM).
+        total: the device's total memory (CPU: total RAM).
+        rss: this process's resident set size.
+        tensors: the largest live tensors on the device, largest first; empty: none listed.
     """
 
     device: str
@@ -249,6 +260,12 @@ class FreedReport:
     ``still_referenced`` those that some other live tensor keeps alive (another variable, an
     optimizer, a view). ``cuda_reserved_before`` / ``after`` show the CUDA caching allocator
     handing memory back to the driver, per device.
+
+    Args:
+        freed: bytes of the storages released that nothing else refers to.
+        still_referenced: bytes of the storages that another live tensor keeps alive.
+        cuda_reserved_before: bytes the CUDA caching allocator held, per device, before.
+        cuda_reserved_after: the same, after; both empty when CUDA had not started.
     """
 
     freed: int

@@ -129,7 +129,13 @@ class DataParallel(nn.Module):
             return
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Scatter ``inputs`` and ``kwargs``, run the replicas, and gather their outputs."""
+        """Scatter ``inputs`` and ``kwargs``, run the replicas, and gather their outputs.
+
+        Args:
+            *inputs: the module's positional inputs; each tensor in them is split along
+                ``dim``, every other value is passed to every replica unchanged.
+            **kwargs: the module's keyword inputs, split the same way.
+        """
         self._check_placement()
         first = self.device_ids[0]
         if len(self.device_ids) == 1:

@@ -39,12 +39,25 @@ STATE_SCHEMA = "gpukit.serve.state/1"
 
 @dataclass(frozen=True)
 class Sample:
-    """One reading of the machine, with everything a request needs already rendered."""
+    """One reading of the machine, with everything a request needs already rendered.
+
+    Args:
+        taken_at: when it was taken, in Unix seconds.
+        inventory: the GPUs; the previous sample's when they could not be read; None: none yet.
+        queue: holders and waiters; None when they could not be read.
+        error: why the GPUs could not be read; None: they were.
+        failed: the parts that failed (``"gpus"``, ``"claims"``...) -> why; empty: none did.
+        metrics: the Prometheus exposition served at ``/metrics``.
+        inventory_json: the JSON served at ``/api/inventory``.
+        queue_json: the JSON served at ``/api/queue``.
+        state_json: the JSON served at ``/api/state``.
+    """
 
     taken_at: float
     inventory: Inventory | None
     queue: Sharing | None
-    """Holders and waiters; ``None`` when the lock folder was refused as unsafe."""
+    """Holders and waiters; ``None`` when they could not be read (the lock folder refused as
+    unsafe, no GPUs read)."""
     error: str | None
     """Why the GPUs could not be read (the previous inventory is kept, marked stale)."""
     failed: dict[str, str] = field(default_factory=dict)

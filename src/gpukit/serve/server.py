@@ -151,7 +151,12 @@ class DashboardServer(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         """Answer ``request`` on its own thread, unless ``max_connections`` are open already:
         then say 503 and close it at once, so that no number of clients can make the server
-        hold more threads than that."""
+        hold more threads than that.
+
+        Args:
+            request: the accepted connection's socket.
+            client_address: the client's address, as ``accept()`` returned it.
+        """
         if not self._slots.acquire(blocking=False):
             with contextlib.suppress(OSError):
                 request.setblocking(False)
@@ -165,6 +170,12 @@ class DashboardServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """Answer ``request`` on this thread, then give its connection slot back.
+
+        Args:
+            request: the accepted connection's socket.
+            client_address: the client's address, as ``accept()`` returned it.
+        """
         try:
             super().process_request_thread(request, client_address)
         finally:

@@ -111,6 +111,20 @@ class GpuRequest:
     >>> GpuRequest.make(2, min_free="20GiB", timeout=3600).wait
     True
 
+    Args:
+        n: how many GPUs, 1 or more (1).
+        criteria: what a GPU must meet (:meth:`~gpukit.gpus.criteria.Criteria.make`); any GPU
+            by default.
+        order: which GPUs first: ``"free"`` (most free memory, the default), ``"util"`` or
+            ``"index"``.
+        wait: whether to wait in line for GPUs that do not qualify yet (False).
+        timeout: seconds to wait at most, 0 or more (implies ``wait``); None or ``inf``: no
+            limit.
+        poll: seconds between readings, above 0 and up to a year; None:
+            ``$GPUKIT_POLL_INTERVAL``, else 2.
+        settle: polls in a row the GPUs must qualify in before they are claimed, 1 or more (3).
+        all_gpus: whether to choose among every GPU, not only those granted to this process.
+
     Raises:
         InvalidArgumentError: a field is refused: ``n``, the criteria, ``order``, ``settle``,
             ``poll``, ``timeout``, or a switch that is not a bool (exit 2).
@@ -173,7 +187,24 @@ class GpuRequest:
         settle: int = 3,
         all_gpus: bool = False,
     ) -> GpuRequest:
-        """The request :func:`acquire`'s arguments describe (their meaning is said there)."""
+        """The request :func:`acquire`'s arguments describe (their meaning is said there).
+
+        Args:
+            n: how many GPUs, 1 or more.
+            min_free: the free memory a GPU needs: bytes, or a size such as ``"8GiB"``; None:
+                any.
+            max_util: the highest utilisation a GPU may have, in percent; None: any.
+            max_processes: how many processes may already hold memory on it; None: as
+                :func:`~gpukit.pick`.
+            exclude: NVML indices or UUIDs never to choose.
+            order: which GPUs first: ``"free"`` (most free memory), ``"util"`` or ``"index"``.
+            wait: whether to wait in line for GPUs that do not qualify yet.
+            timeout: seconds to wait at most (implies ``wait``); None: no limit.
+            poll: seconds between readings; None: ``$GPUKIT_POLL_INTERVAL`` or 2.
+            settle: polls in a row the GPUs must qualify in before they are claimed.
+            all_gpus: whether to choose among every GPU, not only those granted to this
+                process.
+        """
         criteria = Criteria.make(
             min_free=min_free, max_util=max_util, max_processes=max_processes, exclude=exclude
         )

@@ -196,7 +196,12 @@ class Accumulation:
 
 @dataclass(frozen=True)
 class AccumulationPlan:
-    """A global batch as micro-batches: ``micro_batch_size`` per process, ``steps`` of them."""
+    """A global batch as micro-batches: ``micro_batch_size`` per process, ``steps`` of them.
+
+    Args:
+        micro_batch_size: the samples of one micro-batch on one process.
+        steps: the micro-batches per optimizer step (``accumulate=``), 1 or more.
+    """
 
     micro_batch_size: int
     steps: int
@@ -205,7 +210,8 @@ class AccumulationPlan:
 def plan_accumulation(
     global_batch_size: int, largest_micro_batch: int, world_size: int = 1
 ) -> AccumulationPlan:
-    """The fewest micro-batches per step for ``global_batch_size`` when at most ``largest`` fit.
+    """The fewest micro-batches per step for ``global_batch_size`` when at most
+    ``largest_micro_batch`` samples fit.
 
     The micro-batch is the largest size that fits and divides each process's share of the
     global batch, so every step is K equal micro-batches. Pair it with ``gk.find_batch_size``:

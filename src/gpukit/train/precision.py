@@ -63,7 +63,13 @@ _DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 @dataclass(frozen=True)
 class Precision:
-    """A resolved precision: the autocast dtype (None for fp32) and whether a scaler is needed."""
+    """A resolved precision: the autocast dtype (None for fp32) and whether a scaler is needed.
+
+    Args:
+        name: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"`` (what ``"auto"`` resolved to).
+        device_type: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``).
+        dtype: the autocast dtype (``torch.bfloat16``, ``torch.float16``); None: fp32.
+    """
 
     name: str
     device_type: str

@@ -87,6 +87,10 @@ class Requeue:
     """What became of the request to requeue the job: ``done``, and what was run or why not.
 
     Rank 0 asks; every rank of the group reads what happened to rank 0's request.
+
+    Args:
+        done: whether the job was requeued.
+        reason: what was run (``"scontrol requeue 1234"``), or why it was not.
     """
 
     done: bool
@@ -98,7 +102,12 @@ class Preempted(SystemExit):
     :data:`PREEMPTED_EXIT_CODE` and no traceback unless caught. ``checks`` counts the
     :meth:`~Preemption.should_stop` calls up to the one that said stop (the same on every
     rank); ``requeue`` says what became of rank 0's request to requeue, the same on every
-    rank, ``None`` when none was asked for."""
+    rank, ``None`` when none was asked for.
+
+    Args:
+        checks: the :meth:`~Preemption.should_stop` calls up to the one that said stop.
+        requeue: what became of rank 0's request to requeue; None: none was asked for.
+    """
 
     def __init__(self, checks: int, requeue: Requeue | None) -> None:
         super().__init__(PREEMPTED_EXIT_CODE)

@@ -78,7 +78,14 @@ _MAX_STEP = (1 << 63) - 1
 
 @dataclass(frozen=True)
 class Resumed:
-    """Which save a run resumed from, and what it held besides the stateful objects."""
+    """Which save a run resumed from, and what it held besides the stateful objects.
+
+    Args:
+        path: the save's folder (``<folder>/step-<step>-...``).
+        step: the step the save was made at, which :attr:`TrainingState.step` now holds.
+        world_size: how many processes wrote the save.
+        passed_over: the saves found and not taken, one line each saying why.
+    """
 
     path: Path
     step: int

@@ -52,6 +52,10 @@ class StepResult:
     one process) when the step clipped them (``clip_grad_norm=``), a 0-dim tensor on the
     gradients' device (read it with ``.item()`` when you log it: reading it waits for the
     GPU); ``None`` on a micro-batch that only accumulated, and when the step did not clip.
+
+    Args:
+        stepped: whether the optimizer stepped.
+        grad_norm: the gradients' total 2-norm when the step clipped them; None otherwise.
     """
 
     stepped: bool
