@@ -56,7 +56,7 @@ def test_whether_a_model_is_sharded_is_decided_in_one_place() -> None:
         for f in _functions(tree)
         if f.name.lstrip("_").startswith("is_sharded")
     )
-    assert defined == ["checkpoint/sharded_model.py:is_sharded"]
+    assert defined == ["checkpoint/dtensor.py:is_sharded"]
 
 
 def _fsyncs_a_descriptor(function: ast.AST) -> bool:
