@@ -203,6 +203,18 @@ def test_from_json_refuses_another_schema() -> None:
         Inventory.from_json({"schema": "gpukit.inventory/999", "gpus": []})
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", '{"schema": "gpukit.inventory/1", "gpus": [1]}', "[" * 200 + "]" * 200],
+    ids=["not json", "a gpu that is no mapping", "too deep"],
+)
+def test_from_json_refuses_malformed_text_with_a_typed_error(text: str) -> None:
+    from gpukit.gpus.inventory import SCHEMA
+
+    with pytest.raises(InvalidArgumentError, match="inventory JSON"):
+        Inventory.from_json(text.replace("gpukit.inventory/1", SCHEMA))
+
+
 def test_from_json_ignores_fields_added_by_a_newer_writer(
     monkeypatch: pytest.MonkeyPatch, machines_dir: Path
 ) -> None:

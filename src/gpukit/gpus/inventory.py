@@ -23,7 +23,7 @@ from typing import Any
 
 from gpukit.errors import InvalidArgumentError, NoDriverError, NvmlError
 from gpukit.holders import user_name
-from gpukit.untrusted import parse_json, printable
+from gpukit.untrusted import InvalidInput, parse_json, printable
 
 SCHEMA = "gpukit.inventory/1"
 _MAX_JSON = 64 << 20
@@ -156,8 +156,18 @@ class Inventory:
 
         Args:
             data: the dict :meth:`to_json` returns, or its JSON text (at most 64 MiB).
+
+        Raises:
+            InvalidArgumentError: the text is not JSON, too large or too deep, its schema is
+                another's, or an entry is missing or malformed.
         """
-        payload: Any = parse_json(data, limit=_MAX_JSON) if isinstance(data, str) else data
+        try:
+            payload: Any = parse_json(data, limit=_MAX_JSON) if isinstance(data, str) else data
+        except InvalidInput as exc:
+            raise InvalidArgumentError(
+                f"Cannot read inventory JSON: {exc}.",
+                hint="Produce it with `gpukit list --json` or Inventory.to_json().",
+            ) from None
         schema = payload.get("schema") if isinstance(payload, Mapping) else None
         if schema != SCHEMA:
             raise InvalidArgumentError(
@@ -173,7 +183,7 @@ class Inventory:
                 elapsed_s=float(payload.get("elapsed_s", 0.0)),
                 source=str(payload.get("source", "nvml")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidArgumentError(
                 f"The inventory JSON is incomplete or malformed ({exc!r}).",
                 hint="Produce it with `gpukit list --json` or Inventory.to_json().",
