@@ -215,6 +215,15 @@ def test_from_json_refuses_malformed_text_with_a_typed_error(text: str) -> None:
         Inventory.from_json(text.replace("gpukit.inventory/1", SCHEMA))
 
 
+@pytest.mark.parametrize("key", [True, "", 1.0, None], ids=["True", "empty", "float", "None"])
+def test_a_gpu_is_named_by_an_index_or_a_uuid_only(
+    monkeypatch: pytest.MonkeyPatch, machines_dir: Path, key: object
+) -> None:
+    _use(monkeypatch, machines_dir / "kaggle-2xT4-idle.json")
+    with pytest.raises(InvalidArgumentError, match="named by its NVML index or its UUID"):
+        inventory().gpu(key)  # type: ignore[arg-type]
+
+
 def test_from_json_ignores_fields_added_by_a_newer_writer(
     monkeypatch: pytest.MonkeyPatch, machines_dir: Path
 ) -> None:

@@ -130,8 +130,14 @@ class Inventory:
             key: an NVML index (an int), or a UUID or a prefix of one (``"GPU-5a1c"``).
 
         Raises:
-            InvalidArgumentError: no GPU, or more than one, matches ``key``.
+            InvalidArgumentError: ``key`` is no index or UUID (a bool, an empty string), or no
+                GPU, or more than one, matches it.
         """
+        if isinstance(key, bool) or not isinstance(key, int | str) or key == "":
+            raise InvalidArgumentError(
+                f"Inventory.gpu({key!r}): a GPU is named by its NVML index or its UUID.",
+                hint="Pass an int index or a GPU- UUID (or a prefix of one) from `gpukit list`.",
+            )
         if isinstance(key, int):
             found = [g for g in self.gpus if g.index == key]
         else:
