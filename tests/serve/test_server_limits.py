@@ -98,3 +98,12 @@ def test_the_server_answers_again_once_the_idle_clients_leave(
         time.sleep(0.05)
         status = _get_metrics(port)
     assert status == 200
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 2.5], ids=["0", "-1", "True", "2.5"])
+def test_a_limit_that_would_serve_nobody_is_refused(serve_machine: Any, limit: object) -> None:
+    from gpukit.errors import InvalidArgumentError
+
+    served = serve_machine("server-8xA100-shared")
+    with pytest.raises(InvalidArgumentError, match="max_connections"):
+        DashboardServer(("127.0.0.1", 0), served.sampler, max_connections=limit)  # type: ignore[arg-type]

@@ -126,6 +126,14 @@ class DashboardServer(ThreadingHTTPServer):
     def __init__(
         self, address: tuple[str, int], sampler: Sampler, *, max_connections: int = MAX_CONNECTIONS
     ) -> None:
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            max_connections = -1  # refused below, with the others
+        if max_connections < 1:
+            raise InvalidArgumentError(
+                "DashboardServer(max_connections=...) must be a whole number from 1: with no "
+                "connection allowed, every request would be answered 503.",
+                hint=f"Leave it out ({MAX_CONNECTIONS} at once) or pass a positive int.",
+            )
         host, port = address
         self._slots = threading.BoundedSemaphore(max_connections)
         try:
