@@ -135,3 +135,12 @@ def test_a_memory_report_writes_sizes_as_every_other_table_does() -> None:
     # The tensor's own row; the process-wide figures above it vary with what else is alive.
     row = next(line for line in text.splitlines() if line.rstrip().endswith("weight"))
     assert row.split()[:3] == ["4", "MiB", "float32"]
+
+
+def test_a_size_past_the_callers_bound_names_that_bound() -> None:
+    from gpukit.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"past 1 GiB\)"):
+        parse_size("2GiB", most=2**30)
+    with pytest.raises(InvalidArgumentError, match=r"past 2\*\*100 bytes\)"):
+        parse_size(2**101)

@@ -115,7 +115,7 @@ def parse_size(
     if most is not None and size > most:
         raise InvalidArgumentError(
             f"{_shown(value)} is more memory than any GPU has (gpukit refuses sizes past "
-            "2**100 bytes).",
+            + ("2**100 bytes)." if most == MOST_SIZE else f"{format_size(most)})."),
             hint='Write a size a GPU can have, e.g. "80GiB".',
         )
     if size < minimum:
