@@ -192,10 +192,11 @@ class DashboardServer(ThreadingHTTPServer):
     def accepts_host(self, header: str | None) -> bool:
         """Whether to answer a request whose ``Host`` header is ``header``.
 
-        On a loopback address only loopback names are answered: a web page in the user's
-        browser could otherwise point a name it controls at 127.0.0.1 (DNS rebinding) and read
-        the user names and command lines the page shows. Served on another address, the admin
-        chose who may reach it, and any name is answered.
+        On a loopback address only loopback names and this machine's own host name are
+        answered (and a request without the header, as HTTP/1.0 allows): a web page in the
+        user's browser could otherwise point a name it controls at 127.0.0.1 (DNS rebinding)
+        and read the user names and command lines the page shows. Served on another address,
+        the admin chose who may reach it, and any name is answered.
 
         Args:
             header: the request's ``Host`` header, or None when it had none.
