@@ -102,11 +102,27 @@ def test_a_pass_left_early_is_continued_by_the_next_pass() -> None:
     assert loader.epoch == 1
 
 
-def test_a_resumed_pass_draws_nothing_from_the_process_random_stream() -> None:
-    loader = _loader(Ids(43), workers=2)
-    before = torch.get_rng_state()
-    list(loader)
-    assert torch.equal(torch.get_rng_state(), before)
+def _draws(loader: DistributedLoader) -> list[float]:
+    """What the loop body draws from the process's torch stream, batch by batch."""
+    return [torch.rand(()).item() for _ in loader]
+
+
+def test_a_resumed_pass_draws_what_the_uninterrupted_pass_drew() -> None:
+    # The stream is seeded per micro-batch from its place in the epoch's order, whatever the
+    # process's stream held before: a resumed pass, on its workers too, draws alike.
+    whole = _draws(_loader(Ids(43), workers=2))
+    resumed = _loader(Ids(43), workers=2)
+    resumed.load_state_dict(_stopped_after(3, world=1))
+    torch.manual_seed(12345)  # another process's stream
+    assert _draws(resumed) == whole[3:]
+    assert len(set(whole)) == len(whole)  # no two micro-batches draw alike
+
+
+def test_the_shares_of_one_global_batch_draw_different_streams() -> None:
+    # Each rank's share starts at another sample of the order: no rank draws another's mask.
+    ranks = [_draws(_loader(Ids(42), rank=r, world=3)) for r in range(3)]
+    for step in zip(*ranks, strict=True):
+        assert len(set(step)) == 3
 
 
 class WorkerSeeds(Ids):

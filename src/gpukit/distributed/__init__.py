@@ -41,6 +41,7 @@ _EXPORTS = {
     "all_reduce_mean": "gpukit.distributed.metrics",
     "gather_for_metrics": "gpukit.distributed.metrics",
     "prepare": "gpukit.distributed.ddp",
+    "sample_generator": "gpukit.distributed.streams",
     "step": "gpukit.train.step",
     **{
         name: "gpukit.distributed.process_group"
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
     from gpukit.distributed.process_group import print_main as print_main
     from gpukit.distributed.process_group import rank as rank
     from gpukit.distributed.process_group import world_size as world_size
+    from gpukit.distributed.streams import sample_generator as sample_generator
     from gpukit.train.step import step as step
 
 __all__ = [
@@ -95,6 +97,7 @@ __all__ = [
     "prepare",
     "print_main",
     "rank",
+    "sample_generator",
     "step",
     "torchrun_args",
     "world_size",

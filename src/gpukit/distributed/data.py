@@ -38,8 +38,10 @@ from torch._C._distributed_c10d import (
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
 from gpukit.distributed.position import checked_epoch, checked_position, checked_seed, worker_base
+from gpukit.distributed.streams import seed_micro_batch
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.context import StepContext, loader_pass
+from gpukit.train.exact import ExactPlan
 from gpukit.train.precision import Precision
 from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
@@ -104,9 +106,11 @@ class RankBatches(Sampler[list[int]]):
         seed: int,
         drop_last: bool,
         window: int = 1,
+        exact: ExactPlan | None = None,
     ) -> None:
         self.dataset_len = dataset_len
         self.window = window
+        self.exact = exact
         self.global_batch_size = global_batch_size
         self.rank = rank
         self.world_size = world_size
@@ -148,14 +152,25 @@ class RankBatches(Sampler[list[int]]):
         return [order[i : i + size] for i in range(0, len(order), size)]
 
     def __iter__(self) -> Iterator[list[int]]:
+        plan = self.exact
         for batch in self.global_batches():
-            yield [batch[i] for i in share(len(batch), self.world_size, self.rank)]
+            if plan is None:
+                yield [batch[i] for i in share(len(batch), self.world_size, self.rank)]
+                continue
+            # Exact mode: a global batch is a step, cut into micro-batches of the fixed size;
+            # this rank takes K contiguous ones, empty past the end of a short last step.
+            first = self.rank * plan.per_process
+            for index in range(first, first + plan.per_process):
+                start = index * plan.micro_batch_size
+                yield batch[start : start + plan.micro_batch_size]
 
     def __len__(self) -> int:
         if self.drop_last:
-            return self.dataset_len // (self.global_batch_size * self.window) * self.window
-        full, rest = divmod(self.dataset_len, self.global_batch_size)
-        return full + (1 if rest else 0)
+            steps = self.dataset_len // (self.global_batch_size * self.window) * self.window
+        else:
+            full, rest = divmod(self.dataset_len, self.global_batch_size)
+            steps = full + (1 if rest else 0)
+        return steps * (self.exact.per_process if self.exact is not None else 1)
 
     def epoch_samples(self) -> int:
         """How many samples of the order one whole epoch consumes (drop_last drops the tail of
@@ -336,11 +351,14 @@ class DistributedLoader:
         accumulate: micro-batches per optimizer step, 1 or more.
         train_step: the training step whose context the loader fills, or None.
         context: the step context to fill; None: ``train_step``'s, or a new one.
+        exact: exact mode's cut (:func:`~gpukit.train.exact.exact_plan`), which then decides
+            ``batch_size`` and ``accumulate``; None: the cut above.
 
     Raises:
         InvalidArgumentError: the loader has a custom batch sampler or sampler, ``seed`` is
-            not a whole number from 0 to 2**63 - 1, or ``context`` and ``train_step`` (or
-            ``accumulate``) do not belong together.
+            not a whole number from 0 to 2**63 - 1, ``context`` and ``train_step`` (or
+            ``accumulate``) do not belong together, or the dataset follows the epoch
+            (``set_epoch``) under persistent workers.
     """
 
     def __init__(
@@ -355,7 +373,10 @@ class DistributedLoader:
         accumulate: int = 1,
         train_step: TrainStep | None = None,
         context: StepContext | None = None,
+        exact: ExactPlan | None = None,
     ) -> None:
+        if exact is not None:  # the plan decides the cut: K micro-batches of m per process
+            batch_size, accumulate = exact.micro_batch_size, exact.per_process
         self.context = _loader_context(accumulate, train_step, context)
         if loader.batch_size is None:
             raise InvalidArgumentError(
@@ -363,16 +384,21 @@ class DistributedLoader:
                 hint="Build the loader with batch_size=... and shuffle=..., not batch_sampler.",
             )
         dataset = loader.dataset
+        _check_epoch_aware(loader)
         self.sampler = RankBatches(
             len(dataset),  # type: ignore[arg-type]
-            global_batch_size=batch_size * world_size,
+            global_batch_size=exact.global_batch_size
+            if exact is not None
+            else batch_size * world_size,
             rank=rank,
             world_size=world_size,
             shuffle=_shuffles(loader),
             seed=seed,
             drop_last=loader.drop_last,
-            window=accumulate,
+            window=1 if exact is not None else accumulate,
+            exact=exact,
         )
+        self.exact = exact
         # The workers' base seed comes from this generator, reseeded each pass from (seed, epoch,
         # rank): a pass then draws nothing from the process's own torch stream, and a pass
         # resumed mid-epoch gives its workers the seeds the uninterrupted pass gave them.
@@ -512,6 +538,8 @@ class DistributedLoader:
         sizes = [len(b) for b in self.sampler.global_batches()]
         before = _batches_before(sizes, self._consumed - cut_from)
         self.sampler.start = self._consumed  # mid-epoch: only the rest of the epoch's order
+        if callable(set_epoch := getattr(self.dataset, "set_epoch", None)):
+            set_epoch(epoch)  # per-sample streams (sample_generator) follow the epoch
         self._worker_seeds.manual_seed(worker_base(self.sampler.seed, epoch, self.rank))
         self._in_pass, self._next_epoch = True, None
         self.context.samples = self.context.global_samples = 0
@@ -525,8 +553,8 @@ class DistributedLoader:
         try:
             with loader_pass(self.context):
                 for step, batch in enumerate(self.loader):
-                    self._place(before + step, sizes)
-                    self._consumed += sizes[before + step]
+                    position = self._place(before, step, sizes)
+                    seed_micro_batch(self.device, self.sampler.seed, epoch, position)
                     yield to_device(batch, self.device)
             ended = True
         finally:
@@ -542,12 +570,39 @@ class DistributedLoader:
         """The epoch a set_epoch during the pass chose for the next pass, if any."""
         return self._next_epoch
 
-    def _place(self, step: int, sizes: list[int]) -> None:
-        """Write where micro-batch ``step`` sits in its optimizer step into the context."""
-        start = step - step % self.accumulate
-        window = sizes[start : start + self.accumulate]
-        mine = len(share(sizes[step], self.world_size, self.rank))
-        self.context.place(step - start, len(window), mine, sum(window), sizes[step])
+    def _place(self, before: int, handed: int, sizes: list[int]) -> int:
+        """Write where the pass's micro-batch ``handed`` sits in its optimizer step into the
+        context, count its samples as consumed once its step's last is out, and return where
+        this rank's samples of it start in the epoch's order (its random stream's key).
+
+        ``sizes`` are the global batches' sizes from the epoch's cut on, ``before`` of them
+        consumed before the pass.
+        """
+        plan = self.exact
+        if plan is None:
+            step = before + handed
+            start = step - step % self.accumulate
+            window = sizes[start : start + self.accumulate]
+            mine = share(sizes[step], self.world_size, self.rank)
+            self.context.place(step - start, len(window), len(mine), sum(window), sizes[step])
+            position = self._consumed + mine.start
+            self._consumed += sizes[step]
+            return position
+        step, k = before + handed // plan.per_process, handed % plan.per_process
+        samples = sizes[step]
+        index = self.rank * plan.per_process + k  # the micro-batch's index in its step
+        beside = range(k, plan.micro_batches, plan.per_process)  # every rank's k-th, at once
+        self.context.place(
+            k,
+            plan.per_process,
+            plan.samples_of(samples, index),
+            samples,
+            sum(plan.samples_of(samples, i) for i in beside),
+        )
+        position = self._consumed + index * plan.micro_batch_size
+        if k == plan.per_process - 1:
+            self._consumed += samples
+        return position
 
     def kept_rows(self) -> list[bool]:
         """For the batch being processed, which rows of a gather over all ranks are samples.
@@ -555,6 +610,24 @@ class DistributedLoader:
         Every row is: no sample is repeated, so a gather holds the global batch exactly once.
         """
         return [True] * self.current_global_len
+
+
+def _check_epoch_aware(loader: DataLoader[Any]) -> None:
+    """Refuse a dataset that follows the epoch (``set_epoch``) under persistent workers.
+
+    Persistent workers keep the copy of the dataset they started with: the epoch set before a
+    later pass would never reach them, and their per-sample draws would repeat epoch 0's.
+
+    Raises:
+        InvalidArgumentError: the dataset has ``set_epoch`` and the loader persistent workers.
+    """
+    if loader.persistent_workers and callable(getattr(loader.dataset, "set_epoch", None)):
+        raise InvalidArgumentError(
+            f"the dataset ({type(loader.dataset).__name__}) follows the epoch with set_epoch, "
+            "and the loader keeps persistent workers, whose copies of the dataset never see a "
+            "later epoch.",
+            hint="Build the loader with persistent_workers=False.",
+        )
 
 
 def _loader_context(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any, TypeVar, overload
 
+import torch
+import torch.distributed as torch_dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -15,9 +19,10 @@ from gpukit.distributed.batch_sizes import micro_batches
 from gpukit.distributed.data import DistributedLoader, SampleWeights, weighted_allreduce
 from gpukit.distributed.position import checked_seed
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
-from gpukit.errors import InvalidArgumentError
+from gpukit.errors import InvalidArgumentError, check_bool
 from gpukit.train.context import StepContext
-from gpukit.train.precision import autocast_forward, resolve_precision
+from gpukit.train.exact import ExactPlan, ExactReduceScatter, exact_plan
+from gpukit.train.precision import Precision, autocast_forward, resolve_precision
 from gpukit.train.shard import ShardPolicy, shard_model
 from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
@@ -26,6 +31,8 @@ M = TypeVar("M", bound=nn.Module)
 Opt = TypeVar("Opt", bound=Optimizer)
 
 __all__ = ["prepare"]
+
+log = logging.getLogger("gpukit.distributed")
 
 
 def _prepare_model(
@@ -84,6 +91,8 @@ def prepare(
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
     accumulate: int | None = ...,
+    micro_batch_size: int | None = ...,
+    exact: bool = ...,
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
@@ -98,6 +107,8 @@ def prepare(
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
     accumulate: int | None = ...,
+    micro_batch_size: int | None = ...,
+    exact: bool = ...,
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
@@ -112,6 +123,8 @@ def prepare(
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
     accumulate: int | None = ...,
+    micro_batch_size: int | None = ...,
+    exact: bool = ...,
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
@@ -126,6 +139,8 @@ def prepare(
     per_device_batch_size: int | None = ...,
     global_batch_size: int | None = ...,
     accumulate: int | None = ...,
+    micro_batch_size: int | None = ...,
+    exact: bool = ...,
     precision: str = ...,
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
@@ -139,6 +154,8 @@ def prepare(
     per_device_batch_size: int | None = None,
     global_batch_size: int | None = None,
     accumulate: int | None = None,
+    micro_batch_size: int | None = None,
+    exact: bool = False,
     precision: str = "fp32",
     seed: int = 0,
     ddp_kwargs: Mapping[str, Any] | None = None,
@@ -185,6 +202,20 @@ def prepare(
     >>> model, opt, loader = prepare(model, opt, loader, global_batch_size=64)  # doctest: +SKIP
     >>> model, opt = prepare(model, opt, shard=True)  # doctest: +SKIP
 
+    ``exact=True`` promises more: bitwise the same weights and optimizer state on 1, 2, 4 (any
+    number that leaves each process a power of two of micro-batches) processes, and after a
+    resume on another number. Each step's ``global_batch_size`` is cut into micro-batches of
+    ``micro_batch_size``, the same cut for every number of processes, and their gradients are
+    added in one fixed order (:mod:`gpukit.train.exact`) instead of by DDP's all-reduce: the
+    model is not wrapped in DDP, and ``dist.step(loss)`` does the sum. It turns on
+    ``torch.use_deterministic_algorithms``; it refuses what it cannot make exact (fp16, batch
+    norm's running statistics, a number of processes the sum cannot keep in order), naming the
+    nearest exact configuration. With ``shard=`` the sharded model's reduce-scatters add in the
+    same order: FSDP2 exact ends with DDP exact's weights.
+
+    >>> model, opt, loader = prepare(model, opt, loader, exact=True, global_batch_size=64,
+    ...                              micro_batch_size=8, precision="bf16-mixed")  # doctest: +SKIP
+
     Args:
         model: the model to train, bare (prepare moves it and wraps it for several processes).
         optimizer: its optimizer, or None.
@@ -193,6 +224,9 @@ def prepare(
         global_batch_size: with a loader, the samples one optimizer step sees over all
             processes (instead of ``per_device_batch_size``).
         accumulate: micro-batches per optimizer step, 1 or more; None: 1.
+        micro_batch_size: with ``exact=True``, the samples of one micro-batch, the same for
+            every number of processes (the micro-batches per process follow).
+        exact: the same bits on any number of processes (see above); False by default.
         precision: "fp32" (the default), "bf16-mixed", "fp16-mixed" or "auto".
         seed: the shuffle's seed, the same on every rank (0 by default).
         ddp_kwargs: options for ``DistributedDataParallel``, or None.
@@ -202,14 +236,29 @@ def prepare(
     Raises:
         InvalidArgumentError: an object of the wrong type, batch sizes that do not fit together,
             ``accumulate`` without a loader or with a model wrapped in DDP already, an unknown
-            precision, a ``seed`` that is not a whole number from 0 to 2**63 - 1.
+            precision, a ``seed`` that is not a whole number from 0 to 2**63 - 1; in exact
+            mode, what it cannot make exact (see :func:`_exact_checks`).
         DeviceError: a precision this process's device cannot run natively.
     """
     _check_objects(model, optimizer, loader)
     checked_seed(seed)  # before any work: the loader's shuffle, saved with its position
+    check_bool("exact", exact)
     ctx = _ready()
     resolved = resolve_precision(precision, ctx.device)
     steps = 1
+    if exact or micro_batch_size is not None:
+        plan = _exact_checks(
+            model,
+            optimizer,
+            loader,
+            world_size=ctx.world_size,
+            exact=exact,
+            sizes=(per_device_batch_size, global_batch_size, micro_batch_size, accumulate),
+            precision=resolved,
+            shard=shard,
+            ddp_kwargs=ddp_kwargs,
+        )
+        return _prepare_exact(model, optimizer, loader, plan, ctx, resolved, seed, shard)
     if loader is not None:
         size, steps = micro_batches(
             ctx.world_size, per_device_batch_size, global_batch_size, accumulate
@@ -283,3 +332,134 @@ def prepare(
             )
         )
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _exact_checks(
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    loader: DataLoader[Any] | None,
+    *,
+    world_size: int,
+    exact: bool,
+    sizes: tuple[int | None, int | None, int | None, int | None],
+    precision: Precision,
+    shard: ShardPolicy,
+    ddp_kwargs: Mapping[str, Any] | None,
+) -> ExactPlan:
+    """What exact mode needs, checked before any work, the same on every rank.
+
+    Raises:
+        InvalidArgumentError: ``micro_batch_size`` without ``exact=True``; no optimizer or
+            loader; ``per_device_batch_size`` or ``accumulate`` (the cut decides them);
+            ``ddp_kwargs`` (no DDP runs); fp16 (its scaler is not exact yet);
+            a model wrapped already or with batch norm's running statistics (updated per
+            micro-batch in each process's own order); sizes that do not cut exactly (see
+            :func:`~gpukit.train.exact.exact_plan`).
+    """
+    per_device, global_size, micro, accumulate = sizes
+
+    def refuse(what: str, hint: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"prepare(exact=True) {what}", hint=hint)
+
+    if not exact:
+        raise InvalidArgumentError(
+            f"prepare() got micro_batch_size={micro!r} without exact=True: outside exact mode "
+            "the micro-batch is per_device_batch_size.",
+            hint="Pass exact=True too, or per_device_batch_size= in its place.",
+        )
+    if optimizer is None or loader is None:
+        raise refuse(
+            "needs the optimizer and the loader: the fixed-order sum runs in the step of the "
+            "prepared loader's loop.",
+            hint="Call prepare(model, opt, loader, exact=True, ...) and end each batch with "
+            "dist.step(loss).",
+        )
+    if per_device is not None or accumulate is not None:
+        raise refuse(
+            "takes global_batch_size= and micro_batch_size= only: the micro-batches per "
+            "process follow from them and the number of processes.",
+            hint="Leave per_device_batch_size= and accumulate= out.",
+        )
+    if ddp_kwargs:
+        raise refuse(
+            "runs no DDP: it adds the gradients itself, in one order.",
+            hint="Leave ddp_kwargs= out.",
+        )
+    if precision.scaled:
+        raise refuse(
+            "does not run fp16: its loss scaler skips steps by a check not yet made exact.",
+            hint="Use precision='bf16-mixed' (exact) or 'fp32'.",
+        )
+    if isinstance(model, DistributedDataParallel) or is_sharded(model):
+        raise refuse(
+            f"got a model already wrapped ({type(model).__name__}), whose gradients are summed "
+            "in the wrapper's own order.",
+            hint="Pass the bare model.",
+        )
+    norms = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+    ]
+    if norms:
+        raise refuse(
+            f"cannot keep batch norm's running statistics exact ({norms[0] or 'the model'}): "
+            "each process updates them in the order of its own micro-batches.",
+            hint="Use LayerNorm or GroupNorm, or BatchNorm with track_running_stats=False.",
+        )
+    return exact_plan(world_size, global_size, micro)
+
+
+def _prepare_exact(
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    loader: DataLoader[Any] | None,
+    plan: ExactPlan,
+    ctx: DistributedContext,
+    precision: Precision,
+    seed: int,
+    shard: ShardPolicy,
+) -> tuple[nn.Module, Optimizer, DistributedLoader]:
+    """Exact mode's model (moved, rank 0's weights on every rank, not wrapped; or sharded with
+    the exact reduce-scatter), optimizer and loader, sharing one step context."""
+    assert optimizer is not None  # _exact_checks
+    assert loader is not None
+    # Deterministic kernels: cuBLAS needs its fixed workspace before its first call.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if ctx.device.type == "cpu" and torch.get_num_threads() != 1:
+        # A CPU kernel splits its work by the intra-op thread count, and a split can change
+        # its rounding (measured: a 1-process run on 2 threads ended 1 ulp from 2 processes on
+        # 1). torchrun gives each of several processes one thread; one process gets it too.
+        log.info("exact mode: one intra-op thread (was %d)", torch.get_num_threads())
+        torch.set_num_threads(1)
+    model = to_device(model, ctx.device)
+    if ctx.world_size > 1:  # what DDP's construction does: every rank starts from rank 0's
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                torch_dist.broadcast(tensor, src=0)
+    context = StepContext(plan.per_process, precision=precision)
+    if shard is not False:
+        # The compute dtype comes from autocast alone, as unsharded (FSDP's param_dtype would
+        # run every layer in bf16, norms included): float32 all-gathers buy equal bits.
+        model = shard_model(
+            model,
+            shard,
+            device=ctx.device,
+            weight=lambda: 1.0,
+            optimizer=optimizer,
+            reduce_scatter=lambda: ExactReduceScatter(plan, context),
+        )
+    autocast_forward(model, precision)
+    TrainStep(model, optimizer, context=context, distributed=ctx.world_size > 1, exact=plan)
+    prepared = DistributedLoader(
+        loader,
+        batch_size=plan.micro_batch_size,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        device=ctx.device,
+        seed=seed,
+        context=context,
+        exact=plan,
+    )
+    return model, _prepare_optimizer(optimizer, ctx), prepared

@@ -66,6 +66,9 @@ class Accumulation:
         distributed: whether counts given by the caller are summed over the process group.
         scaled: whether the loss is scaled (fp16 mixed precision, a gradient scaler).
         context: the step context to read and write; None: a new one.
+        exact: exact mode's cut (global and micro-batch size), or None. Its weights do not
+            depend on the number of processes: ``n_k / N`` on the loss where the loader counts
+            samples, else ``n_k`` on the loss and ``1 / N`` on the summed gradient.
 
     Raises:
         InvalidArgumentError: ``steps`` is not a whole number from 1, or ``context`` was made
@@ -79,6 +82,7 @@ class Accumulation:
         distributed: bool = False,
         scaled: bool = False,
         context: StepContext | None = None,
+        exact: tuple[int, int] | None = None,
     ) -> None:
         checked_accumulate(steps)
         if context is not None and context.accumulate != steps:
@@ -91,6 +95,7 @@ class Accumulation:
         self.distributed = distributed
         self.scaled = scaled
         self.context = context if context is not None else StepContext(steps)
+        self.exact = exact
 
     def begin(self, index: int, length: int, samples: int, window_samples: int) -> None:
         """The next micro-batch is ``index`` of ``length`` in its window, with ``samples`` here
@@ -132,6 +137,11 @@ class Accumulation:
         else:
             ctx.user_counts = True
         ctx.local_count += n
+        if ctx.reference is None and self.exact is not None:
+            # A reference every rank and every number of processes shares, a rank without a
+            # sample included: the step's samples (known before the first backward), or 1 for
+            # counts (the sum's 1/N comes after).
+            ctx.reference = (ctx.window_samples if count is None else None) or 1
         if n == 0:
             return 0.0
         if ctx.reference is None:
@@ -165,6 +175,7 @@ class Accumulation:
         ctx = self.context
         return {
             "steps": self.steps,
+            **({} if self.exact is None else {"exact": list(self.exact)}),
             "index": ctx.index,
             "length": ctx.length,
             "reference": ctx.reference,
@@ -179,9 +190,30 @@ class Accumulation:
             state: what :meth:`state_dict` returned.
 
         Raises:
-            InvalidArgumentError: the state was saved with another number of micro-batches.
+            InvalidArgumentError: the state was saved with another number of micro-batches
+                (in exact mode: another global batch or micro-batch size, whatever the number
+                of processes).
         """
-        if state.get("steps") != self.steps:
+        if self.exact is not None or "exact" in state:
+            saved = state.get("exact")
+            if saved != (None if self.exact is None else list(self.exact)):
+                raise InvalidArgumentError(
+                    "the accumulation state was saved "
+                    + (
+                        f"in exact mode with global_batch_size={saved[0]} and "
+                        f"micro_batch_size={saved[1]}"
+                        if isinstance(saved, list) and len(saved) == 2
+                        else "outside exact mode"
+                    )
+                    + ", and this run "
+                    + (
+                        f"uses global_batch_size={self.exact[0]}, micro_batch_size={self.exact[1]}."
+                        if self.exact is not None
+                        else "is not in exact mode."
+                    ),
+                    hint="Resume with the exact= and batch sizes the run started with.",
+                )
+        elif state.get("steps") != self.steps:
             raise InvalidArgumentError(
                 f"the accumulation state was saved with accumulate={state.get('steps')!r}, "
                 f"and this run uses accumulate={self.steps}.",

@@ -192,6 +192,7 @@ def shard(
     weight: Callable[[], float],
     param_dtype: torch.dtype | None = None,
     group: dist.ProcessGroup | None = None,
+    reduce_scatter: Callable[[], ReduceScatter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` over the processes of ``group`` with FSDP2; returns it (an FSDPModule).
 
@@ -203,6 +204,16 @@ def shard(
     sharded parameters (``distributed.prepare`` does that for you). Sharded over the whole
     job, the model also gets the gloo group its gk.save and gk.load meet in first
     (:func:`gpukit.checkpoint.sharded_model.join_group`), made here while every rank is here.
+
+    Args:
+        model: the model to shard, in place.
+        policy: which modules become sharded units (see :func:`blocks_to_shard`).
+        device: the training device (the mesh's type).
+        weight: this rank's factor on its gradients, read when they are reduced.
+        param_dtype: the compute dtype of a mixed precision; None: the parameters' own.
+        group: the process group to shard over; None: the whole job.
+        reduce_scatter: makes each unit's own reduce-scatter (exact mode's keeps one unit's
+            leaves); None: every unit shares one :class:`WeightedReduceScatter` of ``weight``.
 
     Raises:
         InvalidArgumentError: the model is sharded already, or ``policy`` is not a policy.
@@ -220,7 +231,9 @@ def shard(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Not recursive in torch: each unit keeps its own reduction settings.
-            module.set_custom_reduce_scatter(plan.reduce_scatter)
+            module.set_custom_reduce_scatter(
+                plan.reduce_scatter if reduce_scatter is None else reduce_scatter()
+            )
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
     if (group is None or group is dist.group.WORLD) and dist.get_world_size() > 1:
@@ -238,12 +251,22 @@ def shard_model(
     weight: Callable[[], float],
     optimizer: torch.optim.Optimizer | None = None,
     param_dtype: torch.dtype | None = None,
+    reduce_scatter: Callable[[], ReduceScatter] | None = None,
 ) -> nn.Module:
     """:func:`shard` for a training script: the optimizer follows, one process shards nothing.
 
     ``optimizer``, built over the model's parameters before sharding, is pointed at the sharded
     parameters that replace them (same names, same groups and options). In a single process
     (no group, or a group of one) the policy is checked and the model returned as it is.
+
+    Args:
+        model: the model to shard, in place.
+        policy: which modules become sharded units (see :func:`blocks_to_shard`).
+        device: the training device.
+        weight: this rank's factor on its gradients, read when they are reduced.
+        optimizer: the optimizer built over the model's parameters, or None.
+        param_dtype: the compute dtype of a mixed precision; None: the parameters' own.
+        reduce_scatter: makes each unit's own reduce-scatter; None: the weighted one.
 
     Raises:
         InvalidArgumentError: the policy is not a policy, the optimizer holds state already
@@ -256,7 +279,14 @@ def shard_model(
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     if optimizer is not None:
         _check_optimizer(optimizer, names)
-    shard(model, policy, device=device, weight=weight, param_dtype=param_dtype)
+    shard(
+        model,
+        policy,
+        device=device,
+        weight=weight,
+        param_dtype=param_dtype,
+        reduce_scatter=reduce_scatter,
+    )
     if optimizer is not None:
         sharded = dict(model.named_parameters(remove_duplicate=False))
         for group in optimizer.param_groups:

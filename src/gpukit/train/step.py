@@ -31,9 +31,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.accumulate import Accumulation
 from gpukit.train.context import StepContext, current_context
+from gpukit.train.exact import ExactPlan, FixedOrderSum
 from gpukit.train.precision import Precision, autocast_forward, resolve_precision
 from gpukit.train.scaler import LossScaler
 
@@ -105,6 +107,10 @@ class TrainStep:
         hooked: whether the model's gradient all-reduce applies the weights itself.
         distributed: whether counts given by the caller are summed over the process group.
         context: the step context shared with a loader and a hook; None: a new one.
+        exact: exact mode's cut (``prepare(..., exact=True)`` gives it): each micro-batch's
+            gradients are kept apart and added in the one order of
+            :mod:`gpukit.train.exact`, over the processes too (by the step, or for a sharded
+            model by its reduce-scatters); None: autograd accumulates.
 
     Raises:
         InvalidArgumentError: ``precision`` is neither a known name nor a ``Precision``,
@@ -123,6 +129,7 @@ class TrainStep:
         hooked: bool = False,
         distributed: bool = False,
         context: StepContext | None = None,
+        exact: ExactPlan | None = None,
     ) -> None:
         if context is None:
             context = StepContext(1 if accumulate is None else accumulate)
@@ -136,7 +143,11 @@ class TrainStep:
         resolved = _resolved(requested, model)
         self.scaler = LossScaler(resolved.device_type) if resolved.scaled else None
         self.accumulation = Accumulation(
-            steps, distributed=distributed, scaled=self.scaler is not None, context=context
+            steps,
+            distributed=distributed,
+            scaled=self.scaler is not None,
+            context=context,
+            exact=None if exact is None else (exact.global_batch_size, exact.micro_batch_size),
         )  # the last check: nothing was changed before it
         if isinstance(requested, str):  # a name: its forward under autocast, as prepare() does
             inner = model.module if isinstance(model, DistributedDataParallel) else model
@@ -148,6 +159,10 @@ class TrainStep:
         context.train_step = self
         context.on_place = self._set_gradient_sync
         self.hooked = hooked
+        self.exact = exact
+        # Exact mode adds the micro-batches' gradients here, unless the model is sharded: its
+        # reduce-scatters add them (gpukit.train.exact.ExactReduceScatter).
+        self._sum = FixedOrderSum(exact) if exact is not None and not is_sharded(model) else None
         self._stepping = False
         self._open = False
         optimizer.register_step_pre_hook(self._refuse_a_direct_step)
@@ -200,8 +215,9 @@ class TrainStep:
             self.model.require_backward_grad_sync = last
         elif callable(sync := getattr(self.model, "set_requires_gradient_sync", None)):
             # A sharded model (FSDP2): its no_sync. Gradients stay whole and local until the
-            # micro-batch that closes the step, which reduce-scatters them once.
-            sync(last)
+            # micro-batch that closes the step, which reduce-scatters them once. In exact mode
+            # every micro-batch reaches the reduce-scatter, which keeps it for the fixed sum.
+            sync(last or self.exact is not None)
 
     def __call__(
         self,
@@ -233,6 +249,13 @@ class TrainStep:
                 changes nothing.
         """
         max_norm = _checked_clip_norm(clip_grad_norm)
+        if max_norm is not None and self.exact is not None and self._sum is None:
+            raise InvalidArgumentError(
+                "clip_grad_norm= in exact mode with a sharded model: the norm adds every "
+                "rank's shards in the backend's order, which changes with the number of "
+                "processes.",
+                hint="Clip in exact mode without shard=, or shard without exact=True.",
+            )
         if before_optimizer_step is not None and not callable(before_optimizer_step):
             raise InvalidArgumentError(
                 f"before_optimizer_step={before_optimizer_step!r} is not callable.",
@@ -245,13 +268,20 @@ class TrainStep:
             acc.settle()
         if acc.first:
             self.optimizer.zero_grad(set_to_none=True)
-        if weight != 1.0:
-            loss = loss * weight
-        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
-        torch.autograd.backward(scaled)
+            if self._sum is not None:
+                self._sum.start()
+        if self._sum is not None:
+            self._exact_backward(loss, weight)
+        else:
+            if weight != 1.0:
+                loss = loss * weight
+            scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+            torch.autograd.backward(scaled)
         self._open = not acc.last
         if not acc.last:
             return StepResult(False)
+        if self._sum is not None:
+            self._exact_total()
         if not self.hooked:
             self._weigh_gradients(acc.gradient_weight())
         if self.scaler is not None and (max_norm is not None or before_optimizer_step is not None):
@@ -274,6 +304,37 @@ class TrainStep:
 
     def _parameters(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _trained(self) -> list[torch.Tensor]:
+        return [p for p in self._parameters() if p.requires_grad]
+
+    def _exact_backward(self, loss: torch.Tensor, weight: float) -> None:
+        """Exact mode: this micro-batch's weighed gradients, kept apart for the fixed sum.
+
+        An empty micro-batch (past the end of a short last step) is absent from the sum: its
+        loss over no sample may read nan, and it is never backpropagated.
+        """
+        assert self._sum is not None
+        params = self._trained()
+        if not self.context.samples:
+            self._sum.add(None)
+            return
+        if weight == 0.0:  # no item counted (a count of 0): a zero gradient, not nan * 0
+            self._sum.add([torch.zeros_like(p) for p in params])
+            return
+        torch.autograd.backward(loss * weight if weight != 1.0 else loss)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p in params:
+            p.grad = None
+        self._sum.add(grads)
+
+    def _exact_total(self) -> None:
+        """Exact mode, on the step's last micro-batch: the gradients become the fixed sum."""
+        assert self._sum is not None
+        params = self._trained()
+        summed = self._sum.total(self.context.window_samples or 0, like=params)
+        for p, grad in zip(params, summed, strict=True):
+            p.grad = grad
 
     def _weigh_gradients(self, weight: float) -> None:
         if weight == 1.0:
