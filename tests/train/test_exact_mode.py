@@ -164,17 +164,13 @@ def _parts(
             "takes global_batch_size= and micro_batch_size= only",
         ),
         (
-            {"exact": True, "global_batch_size": 8, "micro_batch_size": 4, "shard": True},
-            "runs neither FSDP nor DDP",
-        ),
-        (
             {
                 "exact": True,
                 "global_batch_size": 8,
                 "micro_batch_size": 4,
                 "ddp_kwargs": {"bucket_cap_mb": 1},
             },
-            "runs neither FSDP nor DDP",
+            "runs no DDP",
         ),
     ],
 )

@@ -150,3 +150,31 @@ def test_a_run_resumed_on_other_numbers_of_processes_ends_bitwise_as_the_whole_r
         assert result is not None
         assert _equal(result["weights"], whole["weights"])
         assert _equal(result["optimizer"], whole["optimizer"])
+
+
+def test_clipping_a_sharded_model_in_exact_mode_is_refused_before_the_backward(
+    worlds: dict[int, list[dict[str, Any]]],
+) -> None:
+    for result in worlds[4]:
+        assert "clip_grad_norm= in exact mode with a sharded model" in result["clipping"]
+        assert result["clipping"].endswith("unchanged=True")
+
+
+@pytest.mark.parametrize(("stopped_on", "resumed_on"), [(2, 1), (4, 2)])
+def test_a_run_preempted_on_n_processes_and_resumed_on_m_ends_bitwise_as_the_whole_run(
+    tmp_path: Path, stopped_on: int, resumed_on: int
+) -> None:
+    # SIGUSR1 to rank 0 after step 3: every rank stops at one step boundary, saves, exits 75.
+    folder = str(tmp_path / "saves")
+    whole = work.run(RESUME)
+    stops = launch(work.preempted, stopped_on, RESUME, folder, 3)
+    assert {stop["code"] for stop in stops} == {75}
+    assert len({stop["step"] for stop in stops}) == 1
+    if resumed_on == 1:
+        results = [work.segment(RESUME, folder, None)]
+    else:
+        results = launch(work.segment, resumed_on, RESUME, folder, None)
+    for result in results:
+        assert result is not None
+        assert _equal(result["weights"], whole["weights"])
+        assert _equal(result["optimizer"], whole["optimizer"])

@@ -8,6 +8,8 @@ interrupted run: resume from the newest save in a folder, train, save every few 
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,7 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpukit import distributed as dist
-from gpukit.train import TrainingState
+from gpukit.errors import InvalidArgumentError
+from gpukit.train import Preempted, Preemption, TrainingState
 
 
 @dataclass(frozen=True)
@@ -177,10 +180,48 @@ def normal_masks(case: Case) -> list[torch.Tensor]:
     return seen
 
 
+def clipping_a_sharded_model(case: Case) -> str:
+    """What ``dist.step(loss, clip_grad_norm=...)`` says to a sharded model in exact mode."""
+    model, _, loader = _prepared(case.but(shard=True))
+    before = [_whole(p) for p in model.parameters()]
+    batches = iter(loader)  # kept: the pass lasts while its generator lives
+    x, y, _t = next(batches)
+    try:
+        dist.step(nn.functional.cross_entropy(model(x).float(), y), clip_grad_norm=1.0)
+    except InvalidArgumentError as refused:
+        unchanged = all(
+            torch.equal(a, _whole(b)) for a, b in zip(before, model.parameters(), strict=True)
+        )
+        return f"{refused} unchanged={unchanged}"
+    return "stepped"
+
+
 def everything(cases: list[Case], masked: Case) -> dict[str, Any]:
     """One launch's work: every case run, and the masks of ``masked`` in both modes."""
     return {
         "runs": run_all(cases),
         "masks": masks(masked),
         "normal_masks": normal_masks(masked),
+        "clipping": clipping_a_sharded_model(masked) if dist.world_size() > 1 else None,
     }
+
+
+def preempted(case: Case, folder: str, signal_after: int) -> dict[str, Any]:
+    """A start stopped by SIGUSR1 (rank 0 signals itself after step ``signal_after``): every
+    rank stops at the same step boundary, saves and raises ``Preempted``."""
+    model, opt, loader = _prepared(case)
+    state = TrainingState(folder, model=model, optimizer=opt, loader=loader, keep=2)
+    model.train()
+    try:
+        with state, Preemption(env={}) as preemption:
+            state.resume()
+            while loader.epoch < case.epochs:
+                for x, y, t in loader:
+                    stepped = _train_step(model, loader, case, x, y, t)
+                    if stepped and state.step == signal_after and dist.rank() == 0:
+                        os.kill(os.getpid(), signal.SIGUSR1)
+                    if preemption.should_stop():
+                        preemption.stop(state)
+    except Preempted as stopped:
+        return {"code": stopped.code, "step": state.step}
+    return {"code": None, "step": state.step}
