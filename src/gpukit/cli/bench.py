@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "transfer": "gpukit.bench.transfer",
     "data_parallel": "gpukit.bench.data_parallel",
     "ddp": "gpukit.bench.ddp",
+    "exact": "gpukit.bench.exact",
     "shard": "gpukit.bench.shard",
     "train": "gpukit.bench.train",
     "preempt": "gpukit.bench.preempt",
