@@ -127,6 +127,13 @@ def test_the_hint_names_micro_batch_sizes_that_keep_the_global_batch() -> None:
         exact_plan(2, 48, micro)
 
 
+def test_a_huge_global_batch_is_judged_by_arithmetic_not_by_counting() -> None:
+    # The refusal's hint lists sizes: found from the powers of two, not by trying every size.
+    with pytest.raises(InvalidArgumentError, match="on 3, use global_batch_size="):
+        exact_plan(3, 2**62, 8)
+    assert exact_plan(1, 2**62, 2**60).exact_world_sizes() == [1, 2, 4]
+
+
 @pytest.mark.parametrize(
     ("global_size", "micro"),
     [(None, 8), (64, None), (64, 0), (64, -8), (64, True), (64, 2.5), ("64", 8), (64, 7)],
@@ -234,6 +241,9 @@ def test_a_resume_in_exact_mode_refuses_a_state_of_another_cut() -> None:
         step.load_state_dict(state)
     state["accumulation"].pop("exact")
     with pytest.raises(InvalidArgumentError, match="outside exact mode"):
+        step.load_state_dict(state)
+    state["accumulation"]["exact"] = "x" * 10_000
+    with pytest.raises(InvalidArgumentError, match="not \\[global, micro\\] sizes"):
         step.load_state_dict(state)
 
 

@@ -204,6 +204,8 @@ class Accumulation:
                         f"micro_batch_size={saved[1]}"
                         if isinstance(saved, list) and len(saved) == 2
                         else "outside exact mode"
+                        if saved is None
+                        else "with an exact cut that is not [global, micro] sizes"
                     )
                     + ", and this run "
                     + (

@@ -102,8 +102,10 @@ class ExactPlan:
         return max(0, min(self.micro_batch_size, step_samples - start))
 
     def exact_world_sizes(self) -> list[int]:
-        """Every number of processes this cut is exact on."""
-        return [n for n in range(1, self.micro_batches + 1) if _exact_for(n, self.micro_batches)]
+        """Every number of processes this cut is exact on: 1, and P / 2**k where it divides."""
+        count = self.micro_batches
+        found = {count >> k for k in range(count.bit_length()) if count % (1 << k) == 0}
+        return sorted(found | {1})
 
 
 def _checked_size(name: str, value: object) -> int:
@@ -162,8 +164,11 @@ def _listed(values: list[int]) -> str:
 
 def _nearest(world_size: int, size: int, micro: int) -> str:
     """The exact configurations on ``world_size`` processes nearest to ``(size, micro)``."""
-    micros = [m for m in range(1, size + 1) if size % m == 0 and _exact_for(world_size, size // m)]
-    steps = [world_size * micro * 2**k for k in range(64)]
+    # The micro-batch sizes that leave each process 2**k micro-batches: size / (N * 2**k).
+    micros = sorted(
+        size // (world_size << k) for k in range(size.bit_length()) if size % (world_size << k) == 0
+    )
+    steps = [world_size * micro << k for k in range(size.bit_length() + 1)]
     below = [g for g in steps if g <= size][-1:]
     above = [g for g in steps if g > size][:1]
     sizes = f"global_batch_size={' or '.join(str(g) for g in below + above)} with {micro}"
