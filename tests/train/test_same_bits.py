@@ -8,6 +8,9 @@ process alone. One launch of 2 processes and one of 4 run every case.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from gpukit.distributed import launch
+from gpukit.train import saves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import same_bits as work
@@ -178,3 +182,46 @@ def test_a_run_preempted_on_n_processes_and_resumed_on_m_ends_bitwise_as_the_who
         assert result is not None
         assert _equal(result["weights"], whole["weights"])
         assert _equal(result["optimizer"], whole["optimizer"])
+
+
+def test_a_job_killed_with_sigkill_while_it_saves_resumes_on_another_number_bitwise(
+    tmp_path: Path,
+) -> None:
+    # Two ranks save every step; when rank 1 reports the save of step 4 (its files are being
+    # written), both are killed with SIGKILL. One process resumes from the newest complete
+    # save and ends with the weights of the run never interrupted.
+    script = Path(__file__).resolve().parent / "scripts" / "same_bits_killed.py"
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root / "src"), str(script.parent)]),
+        "OMP_NUM_THREADS": "1",
+    }
+    folder = tmp_path / "saves"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(folder), str(rank), "2", str(tmp_path / "store")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    try:
+        assert ranks[1].stdout is not None
+        for line in ranks[1].stdout:
+            if line.startswith("saved ") and int(line.split()[1]) >= 4:
+                break
+    finally:
+        for process in ranks:
+            process.send_signal(signal.SIGKILL)
+            process.communicate(timeout=60)
+    info, _ = saves.newest(folder)
+    assert info is not None
+    assert info.step >= 3
+    result = work.segment(RESUME, str(folder), None)
+    whole = work.run(RESUME)
+    assert result is not None
+    assert _equal(result["weights"], whole["weights"])
+    assert _equal(result["optimizer"], whole["optimizer"])

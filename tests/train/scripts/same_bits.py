@@ -138,9 +138,16 @@ def masks(case: Case) -> list[torch.Tensor]:
     return seen
 
 
-def segment(case: Case, folder: str, stop_at: int | None) -> dict[str, list[torch.Tensor]] | None:
-    """One start of an interrupted run: resume, train, save every 3 steps, stop at ``stop_at``
-    (without saving: the steps since the last save are lost); the result at the end."""
+def segment(
+    case: Case,
+    folder: str,
+    stop_at: int | None,
+    save_every: int = 3,
+    progress: Any = None,
+) -> dict[str, list[torch.Tensor]] | None:
+    """One start of an interrupted run: resume, train, save every ``save_every`` steps
+    (``progress(step)`` called after each), stop at ``stop_at`` (without saving: the steps
+    since the last save are lost); the result at the end."""
     model, opt, loader = _prepared(case)
     state = TrainingState(folder, model=model, optimizer=opt, loader=loader, keep=2)
     state.resume()
@@ -151,8 +158,10 @@ def segment(case: Case, folder: str, stop_at: int | None) -> dict[str, list[torc
                 if state.step == stop_at:
                     state.wait()
                     return None
-                if state.step % 3 == 0:
+                if state.step % save_every == 0:
                     state.save()
+                    if progress is not None:
+                        progress(state.step)
     state.wait()
     return _result(model, opt)
 
