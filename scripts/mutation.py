@@ -114,6 +114,16 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_accumulate.py",
         "tests/train/test_accumulate_two_processes.py",
     ],
+    # Exact mode's cut and fixed-order sum: in one process, then as rank 0 of two (the sum
+    # over the ranks, FSDP2's reduce-scatter); the whole-run bitwise tests are too slow here.
+    "gpukit.train.exact": [
+        "tests/train/test_exact_mode.py",
+        "tests/train/test_exact_two_processes.py",
+    ],
+    "gpukit.distributed.streams": [
+        "tests/train/test_exact_mode.py",
+        "tests/train/test_loader_position.py",
+    ],
     "gpukit.distributed.batch_sizes": [
         "tests/distributed/test_distributed.py",
         "tests/distributed/test_distributed_loader_rules.py",
