@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from gpukit.distributed import launch
+from tests.helpers import needs_gpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import same_bits as work
-
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")]
 
 
 def _equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
@@ -28,6 +26,7 @@ def _equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
     )
 
 
+@needs_gpus(1)
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_exact_mode_on_a_gpu_ends_bitwise_alike_run_after_run(precision: str) -> None:
     # Dropout's masks come from the CUDA generator, seeded per micro-batch; cuBLAS runs with
@@ -42,7 +41,7 @@ def test_exact_mode_on_a_gpu_ends_bitwise_alike_run_after_run(precision: str) ->
     assert _equal(second["optimizer"], first["optimizer"])
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs two CUDA devices")
+@needs_gpus(2)
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "fsdp2"])
 def test_two_gpus_on_nccl_end_bitwise_with_one(precision: str, shard: bool) -> None:
