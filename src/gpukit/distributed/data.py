@@ -20,6 +20,12 @@ of an epoch holds what is left (fewer or shorter micro-batches). The loader writ
 micro-batch sits in its window into the step's :class:`~gpukit.train.context.StepContext`, the
 one object it shares with the training step (:class:`~gpukit.train.step.TrainStep`) and the
 hook, which reads the step's gradient weight from it (see :mod:`gpukit.train.accumulate`).
+
+In exact mode (an :class:`~gpukit.train.exact.ExactPlan`) a global batch is a whole step, cut
+into micro-batches of the plan's fixed size, the same for any world size; each rank takes K
+contiguous ones (empty past the end of a short last step). Before each micro-batch the loader
+seeds the torch stream from the micro-batch's place in the epoch's order
+(:mod:`gpukit.distributed.streams`), in every mode.
 """
 
 from __future__ import annotations
