@@ -124,6 +124,60 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_exact_mode.py",
         "tests/train/test_loader_position.py",
     ],
+    # The training stage, each module against its fast test files (the multi-process
+    # end-to-end runs, minutes each, are left to CI).
+    "gpukit.train.precision": [
+        "tests/train/test_precision.py",
+        "tests/train/test_step_edges.py",
+    ],
+    "gpukit.train.scaler": [
+        "tests/train/test_precision.py",
+        "tests/train/test_step_edges.py",
+        "tests/train/test_accumulate.py",
+    ],
+    "gpukit.train.context": [
+        "tests/train/test_step_context.py",
+        "tests/train/test_accumulate.py",
+    ],
+    "gpukit.train.step": [
+        "tests/train/test_step_arguments.py",
+        "tests/train/test_step_context.py",
+        "tests/train/test_accumulate.py",
+        "tests/train/test_precision.py",
+        "tests/train/test_step_edges.py",
+    ],
+    "gpukit.train.rng": ["tests/train/test_state.py", "tests/train/test_step_edges.py"],
+    "gpukit.train.saves": [
+        "tests/train/test_state.py",
+        "tests/train/test_save_trust.py",
+        "tests/train/test_saves_edges.py",
+    ],
+    "gpukit.train.state": [
+        "tests/train/test_state.py",
+        "tests/train/test_saves_edges.py",
+        "tests/train/test_staging.py",
+    ],
+    "gpukit.train.contents": ["tests/train/test_state.py", "tests/train/test_save_trust.py"],
+    "gpukit.train._writing": [
+        "tests/train/test_state.py",
+        "tests/train/test_saves_edges.py",
+        "tests/train/test_save_meeting.py",
+    ],
+    "gpukit.train._staging": ["tests/train/test_staging.py", "tests/train/test_state.py"],
+    "gpukit.train.preempt": [
+        "tests/train/test_preempt.py",
+        "tests/train/test_preempt_and_loader_edges.py",
+    ],
+    "gpukit.train.shard": [
+        "tests/train/test_shard_policy.py",
+        "tests/train/test_shard_checkpoint_rules.py",
+        "tests/train/test_step_edges.py",
+    ],
+    "gpukit.distributed.position": [
+        "tests/train/test_loader_position.py",
+        "tests/distributed/test_loader_seed_and_epoch.py",
+        "tests/train/test_preempt_and_loader_edges.py",
+    ],
     "gpukit.distributed.batch_sizes": [
         "tests/distributed/test_distributed.py",
         "tests/distributed/test_distributed_loader_rules.py",
