@@ -34,8 +34,63 @@ def _concat(left: str, right: str) -> str:
 def test_the_tree_pairs_neighbours_and_passes_absent_subtrees_over() -> None:
     assert tree_sum(list("abcdefg"), _concat) == "(((a+b)+(c+d))+((e+f)+g))"
     assert tree_sum(["a", "b", None, None], _concat) == "(a+b)"
+    assert tree_sum([None, "b"], _concat) == "b"
+    assert tree_sum(["a", None, "c"], _concat) == "(a+c)"
+    assert tree_sum([None, None, "c", "d", "e"], _concat) == "((c+d)+e)"
     assert tree_sum(["a"], _concat) == "a"
+    assert tree_sum([None], _concat) is None
     assert tree_sum([], _concat) is None
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes", "per_process"),
+    [(1, (1, 1), 1), (4, (4, 1), 1), (2, (4, 1), 2), (1, (6, 1), 6), (3, (6, 2), 1)],
+)
+def test_the_smallest_cuts_are_exact(world: int, sizes: tuple[int, int], per_process: int) -> None:
+    assert exact_plan(world, *sizes).per_process == per_process
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, (6, 1)), (3, (18, 1)), (4, (4, 2))])
+def test_a_process_with_other_than_a_power_of_two_of_micro_batches_is_refused(
+    world: int, sizes: tuple[int, int]
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="each process must take a power of two"):
+        exact_plan(world, *sizes)
+
+
+def test_each_refusal_of_a_cut_says_what_is_wrong_and_what_to_pass() -> None:
+    # The whole message: what a user reads is the interface.
+    cases = {
+        (64, None): (
+            "exact mode needs global_batch_size= and micro_batch_size=: the cut of a step "
+            "into micro-batches is what stays the same on every number of processes. Pass "
+            "both, e.g. prepare(..., exact=True, global_batch_size=64, micro_batch_size=8)."
+        ),
+        (64, 0): (
+            "exact mode got micro_batch_size=0, which is not a number of samples. Pass "
+            "micro_batch_size as a whole number, 1 or more."
+        ),
+        (True, 8): (
+            "exact mode got global_batch_size=True, which is not a number of samples. Pass "
+            "global_batch_size as a whole number, 1 or more."
+        ),
+        (64, 7): (
+            "exact mode got global_batch_size=64, which is not a whole number of micro-batches "
+            "of micro_batch_size=7. Use a global batch that is a multiple of 7, or a "
+            "micro-batch size that divides 64."
+        ),
+    }
+    for (size, micro), text in cases.items():
+        with pytest.raises(InvalidArgumentError) as refused:
+            exact_plan(2, size, micro)
+        assert str(refused.value) == text
+    with pytest.raises(InvalidArgumentError) as refused:
+        exact_plan(2, 48, 8)
+    assert str(refused.value) == (
+        "exact mode cannot sum 6 micro-batches of 8 in one order on 2 processes: each process "
+        "must take a power of two of them. With these sizes, run on 1, 3, 6 processes; on 2, "
+        "use micro_batch_size=6, 12, 24 with 48, or global_batch_size=32 or 64 with 8."
+    )
 
 
 @settings(max_examples=60, deadline=None)

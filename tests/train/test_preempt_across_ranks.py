@@ -227,20 +227,9 @@ def test_a_second_signal_stops_every_rank_once_at_the_same_step(
     assert (len(calls.read_text().splitlines()) if calls.exists() else 0) == int(requeued)
 
 
-class _Window:
-    """A training step that says it is between micro-batches while ``mid`` is true."""
-
-    def __init__(self) -> None:
-        self.mid = False
-
-    @property
-    def mid_step(self) -> bool:
-        return self.mid
-
-
 def _one_rank_mid_step(rank: int) -> int | None:
     """Rank 1 is signalled at step 2; rank 0 alone says it is mid-step from step 2 to 4."""
-    window = _Window()
+    window = work.Window()
     with Preemption(env={}, state=window) as preemption:
         for step in range(STEPS):
             window.mid = rank == 0 and 2 <= step <= 4

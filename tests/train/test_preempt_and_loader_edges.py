@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,27 +24,10 @@ from torch.utils.data import DataLoader, Dataset
 from gpukit.distributed.data import DistributedLoader
 from gpukit.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import preempt_accumulate as work
+
 JOB_ID = "4242"
-
-
-def _fake_scontrol(bin_dir: Path) -> Path:
-    """An ``scontrol`` that appends its arguments to ``bin_dir/calls`` and succeeds."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    program = bin_dir / "scontrol"
-    program.write_text(f'#!/bin/sh\necho "$@" >> {bin_dir}/calls\n')
-    program.chmod(0o755)
-    return bin_dir
-
-
-class _Window:
-    """A training step that says it is between micro-batches while ``mid`` is true."""
-
-    def __init__(self) -> None:
-        self.mid = False
-
-    @property
-    def mid_step(self) -> bool:
-        return self.mid
 
 
 @pytest.mark.parametrize("seen", ["at a check that stopped", "at a check between micro-batches"])
@@ -52,8 +36,8 @@ def test_a_requeue_signal_after_a_sigterm_already_seen_at_a_check_still_requeues
 ) -> None:
     # Slurm's --signal=USR1@90 can come after a SIGTERM (a copy from torchrun, a co-worker's
     # kill): the requeue signal outranks the plain stop at every check until stop().
-    bin_dir = _fake_scontrol(tmp_path / "bin")
-    window = _Window()
+    bin_dir = work.fake_scontrol(tmp_path / "bin")
+    window = work.Window()
     env = {"SLURM_JOB_ID": JOB_ID, "PATH": str(bin_dir)}
     with Preemption(env=env, state=window) as preemption:
         window.mid = seen == "at a check between micro-batches"

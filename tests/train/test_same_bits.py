@@ -146,10 +146,18 @@ def test_a_run_resumed_on_other_numbers_of_processes_ends_bitwise_as_the_whole_r
     case = RESUME.but(shard=shard)
     whole = work.run(case)
     for n, stop in zip(sizes, (4, 8, None), strict=True):
-        if n == 1:
-            results = [work.segment(case, folder, stop)]
-        else:
-            results = launch(work.segment, n, case, folder, stop)
+        results = _segment_on(n, case, folder, stop)
+    _assert_ended_as(results, whole)
+
+
+def _segment_on(n: int, case: work.Case, folder: str, stop: int | None) -> list[Any]:
+    """One start of ``case`` on ``n`` processes (this one alone for 1): each rank's result."""
+    if n == 1:
+        return [work.segment(case, folder, stop)]
+    return launch(work.segment, n, case, folder, stop)
+
+
+def _assert_ended_as(results: list[Any], whole: dict[str, list[torch.Tensor]]) -> None:
     for result in results:
         assert result is not None
         assert _equal(result["weights"], whole["weights"])
@@ -174,14 +182,7 @@ def test_a_run_preempted_on_n_processes_and_resumed_on_m_ends_bitwise_as_the_who
     stops = launch(work.preempted, stopped_on, RESUME, folder, 3)
     assert {stop["code"] for stop in stops} == {75}
     assert len({stop["step"] for stop in stops}) == 1
-    if resumed_on == 1:
-        results = [work.segment(RESUME, folder, None)]
-    else:
-        results = launch(work.segment, resumed_on, RESUME, folder, None)
-    for result in results:
-        assert result is not None
-        assert _equal(result["weights"], whole["weights"])
-        assert _equal(result["optimizer"], whole["optimizer"])
+    _assert_ended_as(_segment_on(resumed_on, RESUME, folder, None), whole)
 
 
 def test_a_job_killed_with_sigkill_while_it_saves_resumes_on_another_number_bitwise(
@@ -220,8 +221,4 @@ def test_a_job_killed_with_sigkill_while_it_saves_resumes_on_another_number_bitw
     info, _ = saves.newest(folder)
     assert info is not None
     assert info.step >= 3
-    result = work.segment(RESUME, str(folder), None)
-    whole = work.run(RESUME)
-    assert result is not None
-    assert _equal(result["weights"], whole["weights"])
-    assert _equal(result["optimizer"], whole["optimizer"])
+    _assert_ended_as([work.segment(RESUME, str(folder), None)], work.run(RESUME))

@@ -8,12 +8,10 @@ waits for nobody.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as tdist
 from torch import nn
 
 import gpukit as gk
@@ -33,17 +31,6 @@ def _save(obj: object, path: Path, **options: object) -> Path:
     }
     settings.update(options)
     return save_sharded(obj, path, **settings)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def group_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A gloo group of this process alone."""
-    store = tmp_path_factory.mktemp("group") / "store"
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        tdist.destroy_process_group()
 
 
 def _sharded() -> nn.Module:

@@ -8,7 +8,7 @@ the suite still passed (issue 39).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +88,6 @@ def test_clipping_under_the_scaler_sees_the_true_gradients_on_every_step_not_onl
 
 
 # -- the sharded reduce-scatter and a rank with no sample ----------------------------------------
-
-
-@pytest.fixture
-def group_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A gloo group of this process alone."""
-    store = tmp_path_factory.mktemp("group") / "store"
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        tdist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("group_of_one")

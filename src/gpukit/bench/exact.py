@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,69 +69,49 @@ def _steps(model: nn.Module, batches: Any, count: int) -> float:
     return time.perf_counter() - start
 
 
-def _step_times(micro: int, per_process: int, width: int, rounds: int, chunk: int) -> list[float]:
-    """Seconds per step of the default mode and of exact mode, interleaved, on every rank."""
+def _interleaved(
+    default_sizes: dict[str, Any],
+    global_batch: int,
+    micro: int,
+    width: int,
+    rounds: int,
+    chunk: int,
+) -> list[float]:
+    """Seconds per step of the default mode (prepared with ``default_sizes``) and of exact
+    mode (``global_batch`` cut into ``micro``), their steps interleaved ``chunk`` at a time."""
     torch.set_num_threads(1)
-    n = dist.world_size()
-    global_batch = micro * per_process * n
     samples = global_batch * (rounds * chunk + 2)
-    normal_model = _mlp(width)
-    normal = dist.prepare(
-        normal_model,
-        torch.optim.SGD(normal_model.parameters(), lr=0.01),
-        _loader(samples),
-        per_device_batch_size=micro,
-        global_batch_size=global_batch,
-    )
-    exact_model = _mlp(width)
-    exact = dist.prepare(
-        exact_model,
-        torch.optim.SGD(exact_model.parameters(), lr=0.01),
-        _loader(samples),
-        exact=True,
-        global_batch_size=global_batch,
-        micro_batch_size=micro,
-    )
-    iterators = [(normal[0], iter(normal[2])), (exact[0], iter(exact[2]))]
+    runs: list[tuple[nn.Module, Iterator[Any]]] = []
+    exact: dict[str, Any] = {"exact": True, "micro_batch_size": micro}
+    for sizes in (default_sizes, exact):
+        model = _mlp(width)
+        prepared, _, loader = dist.prepare(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            _loader(samples),
+            global_batch_size=global_batch,
+            **sizes,
+        )
+        runs.append((prepared, iter(loader)))
     totals = [0.0, 0.0]
-    for model, batches in iterators:  # a warm-up step each: DDP's buckets, first allocations
-        _steps(model, batches, 1)
+    for net, batches in runs:  # a warm-up step each: DDP's buckets, first allocations
+        _steps(net, batches, 1)
     for _ in range(rounds):
-        for index, (model, batches) in enumerate(iterators):
-            totals[index] += _steps(model, batches, chunk)
+        for index, (net, batches) in enumerate(runs):
+            totals[index] += _steps(net, batches, chunk)
     return [total / (rounds * chunk) for total in totals]
+
+
+def _step_times(micro: int, per_process: int, width: int, rounds: int, chunk: int) -> list[float]:
+    """Seconds per step of the default mode and of exact mode with the same micro-batches."""
+    global_batch = micro * per_process * dist.world_size()
+    return _interleaved({"per_device_batch_size": micro}, global_batch, micro, width, rounds, chunk)
 
 
 def _one_process_cut(micro: int, micro_batches: int, width: int, rounds: int) -> list[float]:
     """One process: seconds per step of one batch of ``micro * micro_batches`` (the default
-    mode) and of exact mode's ``micro_batches`` micro-batches of ``micro``, interleaved."""
-    torch.set_num_threads(1)
-    global_batch = micro * micro_batches
-    samples = global_batch * (rounds * 2 + 2)
-    normal_model = _mlp(width)
-    normal = dist.prepare(
-        normal_model,
-        torch.optim.SGD(normal_model.parameters(), lr=0.01),
-        _loader(samples),
-        global_batch_size=global_batch,
-    )
-    exact_model = _mlp(width)
-    exact = dist.prepare(
-        exact_model,
-        torch.optim.SGD(exact_model.parameters(), lr=0.01),
-        _loader(samples),
-        exact=True,
-        global_batch_size=global_batch,
-        micro_batch_size=micro,
-    )
-    iterators = [(normal[0], iter(normal[2])), (exact[0], iter(exact[2]))]
-    totals = [0.0, 0.0]
-    for model, batches in iterators:
-        _steps(model, batches, 1)
-    for _ in range(rounds):
-        for index, (model, batches) in enumerate(iterators):
-            totals[index] += _steps(model, batches, 2)
-    return [total / (rounds * 2) for total in totals]
+    mode) and of exact mode's ``micro_batches`` micro-batches of ``micro``."""
+    return _interleaved({}, micro * micro_batches, micro, width, rounds, 2)
 
 
 def _seeding_cost(calls: int) -> tuple[float, float]:

@@ -29,10 +29,10 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.context import StepContext
+from gpukit.train.shard import PlainBuffers
 
 __all__ = [
     "ExactPlan",
@@ -319,7 +319,7 @@ def scatter_sum(
     return mine
 
 
-class ExactReduceScatter(ReduceScatter):
+class ExactReduceScatter(PlainBuffers):
     """FSDP's reduce-scatter of one sharded unit, in exact mode: the tree's sum.
 
     FSDP reduce-scatters each micro-batch's gradients as its backward ends (exact mode keeps the
@@ -337,12 +337,6 @@ class ExactReduceScatter(ReduceScatter):
         self.plan = plan
         self.context = context
         self.sum = FixedOrderSum(plan)
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A fresh buffer on ``device``: a kept leaf must not be handed out again."""
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

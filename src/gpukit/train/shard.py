@@ -34,6 +34,7 @@ from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.errors import InvalidArgumentError
 
 __all__ = [
+    "PlainBuffers",
     "ShardPolicy",
     "WeightedReduceScatter",
     "blocks_to_shard",
@@ -114,7 +115,17 @@ def blocks_to_shard(model: nn.Module, policy: ShardPolicy) -> list[nn.Module]:
     return [m for m in reversed(inner) if _has_parameters(m) and bool(test(m))]
 
 
-class WeightedReduceScatter(ReduceScatter):
+class PlainBuffers(ReduceScatter):
+    """A custom reduce-scatter's buffers: plain ones, fresh on each call, as FSDP's own."""
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A new buffer on ``device`` (exact mode keeps some: none is handed out twice)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class WeightedReduceScatter(PlainBuffers):
     """FSDP's reduce-scatter as a sum of gradients each rank first weighs by its own ``weight()``.
 
     ``weight`` is read when the gradients are reduced (after the last backward of a step), so
@@ -126,12 +137,6 @@ class WeightedReduceScatter(ReduceScatter):
 
     def __init__(self, weight: Callable[[], float]) -> None:
         self.weight = weight
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A plain buffer on ``device``, as FSDP's own reduce-scatter allocates."""
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

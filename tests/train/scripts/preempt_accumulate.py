@@ -41,6 +41,17 @@ def fake_scontrol(bin_dir: Path) -> Path:
     return bin_dir
 
 
+class Window:
+    """A training step that says it is between micro-batches while ``mid`` is true."""
+
+    def __init__(self) -> None:
+        self.mid = False
+
+    @property
+    def mid_step(self) -> bool:
+        return self.mid
+
+
 def _weights(model: nn.Module) -> list[float]:
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     return torch.cat([p.detach().flatten() for p in inner.parameters()]).tolist()
