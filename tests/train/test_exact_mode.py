@@ -84,6 +84,14 @@ def test_each_refusal_of_a_cut_says_what_is_wrong_and_what_to_pass() -> None:
         with pytest.raises(InvalidArgumentError) as refused:
             exact_plan(2, size, micro)
         assert str(refused.value) == text
+    nearest = {
+        (3, 200, 8): "run on 1, 25 processes; on 3, use global_batch_size=192 or 384 with 8.",
+        (2, 7, 1): "run on 1, 7 processes; on 2, use global_batch_size=4 or 8 with 1.",
+    }
+    for (world, size, micro), text in nearest.items():
+        with pytest.raises(InvalidArgumentError) as refused:
+            exact_plan(world, size, micro)
+        assert str(refused.value).endswith(text)
     with pytest.raises(InvalidArgumentError) as refused:
         exact_plan(2, 48, 8)
     assert str(refused.value) == (
