@@ -378,3 +378,58 @@ def test_persistent_workers_are_refused_for_a_dataset_that_follows_the_epoch() -
         DistributedLoader(
             inner, batch_size=4, rank=0, world_size=1, device=torch.device("cpu"), seed=0
         )
+
+
+def test_the_streams_seeds_stay_what_they_were_so_a_run_resumed_by_a_later_gpukit_draws_alike() -> (
+    None
+):
+    # Written down once: a change of the key's text, hash, size or shift would give a resumed
+    # run other dropout masks and augmentations than the run it continues.
+    from gpukit.distributed.streams import micro_batch_seed
+
+    assert micro_batch_seed(0, 0, 0) == 8368483151293633224
+    assert micro_batch_seed(11, 1, 64) == 4625489652494818856
+    expected = torch.Generator().manual_seed(8831464122974515740)
+    assert torch.equal(
+        torch.rand(4, generator=dist.sample_generator(0, epoch=0)),
+        torch.rand(4, generator=expected),
+    )
+    other = torch.Generator().manual_seed(5002336175728054378)
+    assert torch.equal(
+        torch.rand(4, generator=dist.sample_generator(5, epoch=2, seed=7)),
+        torch.rand(4, generator=other),
+    )
+
+
+def test_a_micro_batchs_seed_is_what_the_torch_stream_draws_from() -> None:
+    from gpukit.distributed.streams import micro_batch_seed, seed_micro_batch
+
+    seed_micro_batch(torch.device("cpu"), 3, 1, 40)
+    drawn = torch.rand(5)
+    alone = torch.Generator().manual_seed(micro_batch_seed(3, 1, 40))
+    assert torch.equal(drawn, torch.rand(5, generator=alone))
+
+
+def test_sample_generator_refusals_say_what_to_pass() -> None:
+    with pytest.raises(InvalidArgumentError) as refused:
+        dist.sample_generator(-1, epoch=0)
+    assert str(refused.value) == (
+        "sample_generator got index=-1, which is not a sample's index. Pass the index "
+        "__getitem__ received, a whole number from 0."
+    )
+
+
+def test_on_a_gpu_the_devices_own_generator_is_seeded_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA's generators stood in for by CPU ones: the micro-batch's device gets the seed, the
+    # other devices keep their streams.
+    from gpukit.distributed.streams import micro_batch_seed, seed_micro_batch
+
+    generators = (torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))
+    monkeypatch.setattr(torch.cuda, "default_generators", generators)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    seed_micro_batch(torch.device("cuda", 1), 3, 1, 40)
+    assert generators[1].initial_seed() == micro_batch_seed(3, 1, 40)
+    assert generators[0].initial_seed() == 1
+    seed_micro_batch(torch.device("cuda"), 3, 1, 48)
+    assert generators[0].initial_seed() == micro_batch_seed(3, 1, 48)
+    assert torch.default_generator.initial_seed() == micro_batch_seed(3, 1, 48)
