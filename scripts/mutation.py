@@ -174,6 +174,7 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_step_edges.py",
     ],
     "gpukit.distributed.position": [
+        "tests/distributed/test_loader_position_checks.py",
         "tests/train/test_loader_position.py",
         "tests/distributed/test_loader_seed_and_epoch.py",
         "tests/train/test_preempt_and_loader_edges.py",
