@@ -131,6 +131,7 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_step_edges.py",
     ],
     "gpukit.train.scaler": [
+        "tests/train/test_scaler.py",
         "tests/train/test_precision.py",
         "tests/train/test_step_edges.py",
         "tests/train/test_accumulate.py",
