@@ -127,6 +127,7 @@ CORE: dict[str, list[str]] = {
     # The training stage, each module against its fast test files (the multi-process
     # end-to-end runs, minutes each, are left to CI).
     "gpukit.train.precision": [
+        "tests/train/test_precision_words.py",
         "tests/train/test_precision.py",
         "tests/train/test_step_edges.py",
     ],
