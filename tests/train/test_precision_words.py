@@ -146,3 +146,11 @@ def test_preparing_again_restores_the_original_forward_before_wrapping_it() -> N
     autocast_forward(model, bf16)
     autocast_forward(model, Precision("fp32", "cpu", None))
     assert model.forward is custom  # a forward set by hand comes back as it was
+
+
+def test_a_forward_borrowed_from_another_model_of_the_class_comes_back_as_it_was() -> None:
+    model, other = Keyword(), Keyword()
+    model.forward = other.forward  # type: ignore[method-assign]
+    autocast_forward(model, Precision("bf16-mixed", "cpu", torch.bfloat16))
+    autocast_forward(model, Precision("fp32", "cpu", None))
+    assert model.forward.__self__ is other  # not the model's own forward
