@@ -16,9 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 from gpukit import distributed as dist
 from gpukit._tree import leaves_with_paths
 from gpukit.distributed.batch_sizes import per_device_size
-from gpukit.distributed.data import RankBatches, SampleWeights
+from gpukit.distributed.data import RankBatches
 from gpukit.distributed.launcher import _failures
 from gpukit.distributed.metrics import _disagreement, _signature
+from gpukit.distributed.weights import SampleWeights
 from gpukit.errors import DistributedError, InvalidArgumentError
 
 TORCHRUN = {

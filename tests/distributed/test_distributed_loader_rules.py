@@ -32,12 +32,8 @@ from torch.utils.data import (
 
 from gpukit import distributed as dist
 from gpukit.distributed.batch_sizes import per_device_size
-from gpukit.distributed.data import (
-    DistributedLoader,
-    RankBatches,
-    SampleWeights,
-    weighted_allreduce,
-)
+from gpukit.distributed.data import DistributedLoader, RankBatches
+from gpukit.distributed.weights import SampleWeights, weighted_allreduce
 from gpukit.errors import InvalidArgumentError
 from tests.helpers import subprocess_env
 from tests.helpers.two_processes import OtherRank, two_processes

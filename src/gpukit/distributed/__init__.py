@@ -35,7 +35,7 @@ from gpukit.distributed.torchrun import torchrun_args
 # Everything else needs torch: loaded on first use.
 _EXPORTS = {
     "DistributedLoader": "gpukit.distributed.data",
-    "WorkerStart": "gpukit.distributed.data",
+    "WorkerStart": "gpukit.distributed.workers",
     "free_port": "gpukit.distributed.launcher",
     "launch": "gpukit.distributed.launcher",
     "all_reduce_mean": "gpukit.distributed.metrics",
@@ -61,7 +61,6 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from gpukit.distributed.data import DistributedLoader as DistributedLoader
-    from gpukit.distributed.data import WorkerStart as WorkerStart
     from gpukit.distributed.ddp import prepare as prepare
     from gpukit.distributed.launcher import free_port as free_port
     from gpukit.distributed.launcher import launch as launch
@@ -77,6 +76,7 @@ if TYPE_CHECKING:
     from gpukit.distributed.process_group import rank as rank
     from gpukit.distributed.process_group import world_size as world_size
     from gpukit.distributed.streams import sample_generator as sample_generator
+    from gpukit.distributed.workers import WorkerStart as WorkerStart
     from gpukit.train.step import step as step
 
 __all__ = [

@@ -9,10 +9,9 @@ samples than the others, or none, and a rank with none receives an *empty batch*
 structure of a batch, with 0 rows) so that every rank takes the same number of steps.
 
 Because shares differ in size, averaging the ranks' gradients would weigh a sample of a small
-share more than one of a large share. :class:`SampleWeights` (a DDP communication hook that
-:func:`~gpukit.distributed.ddp.prepare` installs) weighs each rank's gradient by its
-share of the global batch instead, so the update is the one a single process computes on the
-whole global batch.
+share more than one of a large share: the gradient hook of :mod:`gpukit.distributed.weights`
+weighs each rank's gradient by its share of the global batch instead, so the update is the one
+a single process computes on the whole global batch.
 
 With gradient accumulation (``accumulate=K``) a global batch is a *window* of K consecutive
 micro-batches, each cut from the order and split over the ranks the same way; the last window
@@ -32,19 +31,15 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
-import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import (
-    GradBucket,  # public as torch.distributed.GradBucket; typed here
-)
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
 from gpukit.distributed.position import checked_epoch, checked_position, checked_seed, worker_base
 from gpukit.distributed.streams import seed_micro_batch
+from gpukit.distributed.workers import WorkerStart
 from gpukit.errors import InvalidArgumentError
 from gpukit.train.context import StepContext, loader_pass
 from gpukit.train.exact import ExactPlan
@@ -52,15 +47,7 @@ from gpukit.train.precision import Precision
 from gpukit.train.step import TrainStep
 from gpukit.transfer import to_device
 
-__all__ = [
-    "STOP_SIGNALS",
-    "DistributedLoader",
-    "RankBatches",
-    "SampleWeights",
-    "WorkerStart",
-    "share",
-    "weighted_allreduce",
-]
+__all__ = ["DistributedLoader", "RankBatches", "share"]
 
 
 def share(batch_len: int, world_size: int, rank: int) -> range:
@@ -232,59 +219,6 @@ def _empty(batch: Any) -> Any:
     return batch
 
 
-class SampleWeights:
-    """State of the DDP communication hook that weighs each rank's gradient by its samples.
-
-    Each rank's gradient is the mean over its own share of ``n_r`` samples; the hook sums
-    ``n_r / n * grad_r`` over the ranks, where ``n`` is the global batch's size, which is the
-    mean over the whole global batch: exactly one process's gradient. The shares come from
-    ``context``, the :class:`~gpukit.train.context.StepContext` its loader fills (``prepare()``
-    hands the hook the loader's own); with accumulation, the step's settled gradient weight
-    from the same context. Outside that loader's pass, without a context (or with equal
-    shares) it is DDP's plain average. The loss must be a mean over the batch (PyTorch's
-    default ``reduction="mean"``).
-    """
-
-    def __init__(self, world_size: int, context: StepContext | None = None) -> None:
-        self.world_size = world_size
-        self.context = context
-
-    def weight(self) -> float:
-        """This rank's share of the current global batch, or 1/N outside its loader's pass."""
-        ctx = self.context
-        if ctx is None or not ctx.in_pass:
-            return 1.0 / self.world_size
-        if ctx.gradient_weight is not None:
-            return ctx.gradient_weight  # the step's micro-batches, weighed (settled)
-        if not ctx.global_samples or ctx.samples is None:
-            return 1.0 / self.world_size
-        return ctx.samples / ctx.global_samples
-
-
-def weighted_allreduce(
-    state: SampleWeights, bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """The communication hook of :class:`SampleWeights`: register it with that state."""
-    buffer = bucket.buffer()
-    weight = state.weight()
-    if weight == 0.0:
-        buffer.zero_()  # an empty share: a loss over no sample may read nan, its gradient is 0
-    elif weight != 1.0:  # 1: the loss carried the whole weight
-        buffer.mul_(weight)
-    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
-    assert work is not None
-    summed: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0])
-    return summed
-
-
-# DDP checks the hook's annotations as objects; this module's are strings (future annotations).
-weighted_allreduce.__annotations__ = {
-    "state": SampleWeights,
-    "bucket": GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
-
-
 def _forks_workers(loader: DataLoader[Any]) -> bool:
     """Whether iterating ``loader`` now starts worker processes by forking this one."""
     if loader.num_workers == 0:
@@ -294,42 +228,6 @@ def _forks_workers(loader: DataLoader[Any]) -> bool:
     context = loader.multiprocessing_context
     method = context.get_start_method() if context is not None else mp.get_start_method()
     return method == "fork"
-
-
-# The signals a job is stopped with: Slurm's --signal and scancel, a time limit's SIGTERM,
-# torchrun passing a signal on to each worker's process group, Ctrl-C, a hang-up.
-STOP_SIGNALS: tuple[signal.Signals, ...] = (
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
-
-
-class WorkerStart:
-    """A DataLoader worker's start: the stop signals ignored, then the loader's own
-    ``worker_init_fn`` (``user``), if any.
-
-    Slurm signals every process of a job step, and torchrun each worker's whole process group:
-    the DataLoader's workers get the stop signal too. Left to its default action a worker dies,
-    and the process it serves fails with "DataLoader worker ... is killed by signal" in the
-    middle of a step, where ``gk.train.Preemption`` would have stopped at the step's end, saved
-    and exited 75. The served process handles the signal, and ends its workers when it ends;
-    a worker whose process is gone ends by itself (torch's watchdog).
-
-    Args:
-        user: the loader's own ``worker_init_fn``, called after, with the worker's id.
-    """
-
-    def __init__(self, user: Callable[[int], object] | None) -> None:
-        self.user = user
-
-    def __call__(self, worker_id: int) -> None:
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, signal.SIG_IGN)
-        if self.user is not None:
-            self.user(worker_id)
 
 
 class DistributedLoader:

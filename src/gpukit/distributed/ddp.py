@@ -16,9 +16,10 @@ from torch.utils.data import DataLoader
 
 from gpukit.checkpoint.dtensor import is_sharded
 from gpukit.distributed.batch_sizes import micro_batches
-from gpukit.distributed.data import DistributedLoader, SampleWeights, weighted_allreduce
+from gpukit.distributed.data import DistributedLoader
 from gpukit.distributed.position import checked_seed
 from gpukit.distributed.process_group import DistributedContext, _leave_with_the_group, _ready
+from gpukit.distributed.weights import SampleWeights, weighted_allreduce
 from gpukit.errors import InvalidArgumentError, check_bool
 from gpukit.train.context import StepContext
 from gpukit.train.exact import ExactPlan, ExactReduceScatter, exact_plan
