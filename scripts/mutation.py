@@ -138,6 +138,7 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_accumulate.py",
     ],
     "gpukit.train.context": [
+        "tests/train/test_step_context_fields.py",
         "tests/train/test_step_context.py",
         "tests/train/test_accumulate.py",
     ],
