@@ -14,6 +14,8 @@ trace what a test runs (coverage, mutation testing) see the code under test.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import queue
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,12 +29,23 @@ import torch.distributed as dist
 WAIT = timedelta(seconds=120)
 
 
-def _serve(store: str, jobs: Any, results: Any) -> None:
+def _next_job(jobs: Any, parent: int) -> Any:
+    """The next job, or None once the test process is gone (killed: a mutation run's timeout)
+    so that this rank never waits on as an orphan."""
+    while True:
+        try:
+            return jobs.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+def _serve(store: str, jobs: Any, results: Any, parent: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=1, world_size=2, timeout=WAIT
     )
     try:
-        while (job := jobs.get()) is not None:
+        while (job := _next_job(jobs, parent)) is not None:
             fn, args = job
             try:
                 results.put((True, fn(1, *args)))
@@ -76,7 +89,9 @@ def two_processes(store: Path) -> Iterator[OtherRank]:
     # before the group binds it.
     context = multiprocessing.get_context("spawn")
     jobs, results = context.Queue(), context.Queue()
-    process = context.Process(target=_serve, args=(str(store), jobs, results), daemon=True)
+    process = context.Process(
+        target=_serve, args=(str(store), jobs, results, os.getpid()), daemon=True
+    )
     process.start()
     try:
         dist.init_process_group(
