@@ -166,7 +166,9 @@ def test_a_cpu_ok_ddp_run_says_one_line_of_its_own_and_no_torchrun_banner(
     run_cli: CliRunner, locks: Path
 ) -> None:
     env = {**_env(locks, MACHINES / "no-driver.json"), "OMP_NUM_THREADS": None}
-    show = "import os; print(os.environ['OMP_NUM_THREADS'])"
+    # One write each (print writes the text and its newline apart: two workers' lines could
+    # interleave as "11\n\n").
+    show = "import os; os.write(1, (os.environ['OMP_NUM_THREADS'] + '\\n').encode())"
     done = run_cli("run", "--ddp", "--cpu-ok", "-n", "2", "--", *_py(show), env=env)
     assert (done.returncode, done.stdout) == (0, "1\n1\n")
     said = [line for line in done.stderr.splitlines() if "GPUKIT_FAKE_NVML" not in line]
