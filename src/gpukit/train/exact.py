@@ -91,6 +91,16 @@ class ExactPlan:
         """
         return -(-step_samples // self.micro_batch_size)
 
+    def ranks_holding(self, step_samples: int) -> list[bool]:
+        """For each rank, whether it holds a micro-batch with samples in a step of
+        ``step_samples`` (the others' partial sums are absent from the tree).
+
+        Args:
+            step_samples: the samples of the step over every process.
+        """
+        real = self.real_micro_batches(step_samples)
+        return [rank * self.per_process < real for rank in range(self.world_size)]
+
     def samples_of(self, step_samples: int, index: int) -> int:
         """The samples of micro-batch ``index`` (0 to P - 1) in a step of ``step_samples``.
 
@@ -268,8 +278,7 @@ class FixedOrderSum:
         world = self.plan.world_size
         if world == 1:
             return node if node is not None else [torch.zeros_like(t) for t in like]
-        real = self.plan.real_micro_batches(step_samples)
-        present = [rank * self.plan.per_process < real for rank in range(world)]
+        present = self.plan.ranks_holding(step_samples)
         mine = node if node is not None else [torch.zeros_like(t) for t in like]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, grad in enumerate(mine):
@@ -356,7 +365,6 @@ class ExactReduceScatter(PlainBuffers):
             return None
         node = self.sum._local()
         send = node[0] if node is not None else torch.zeros_like(input_tensor)
-        real = self.plan.real_micro_batches(ctx.window_samples or 0)
-        present = [r * self.plan.per_process < real for r in range(self.plan.world_size)]
+        present = self.plan.ranks_holding(ctx.window_samples or 0)
         output_tensor.copy_(scatter_sum(send, present, group))
         return None
