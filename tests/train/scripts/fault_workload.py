@@ -418,7 +418,10 @@ def train(plan: dict[str, Any], rank: int) -> int:
                         report("preempted", state.step)
                         preemption.stop(state)
         result = {"weights": _weights(model).hex(), "step": state.step}
-        Path(plan["report"], f"result-{rank}.json").write_text(json.dumps(result))
+        # Written aside, then renamed: a kill landing mid-write leaves no half-written result.
+        written = Path(plan["report"], f".result-{rank}.json.tmp")
+        written.write_text(json.dumps(result))
+        os.replace(written, Path(plan["report"], f"result-{rank}.json"))
         return 0
     except SystemExit as stopped:  # Preempted: the state is saved
         return int(stopped.code or 0)
