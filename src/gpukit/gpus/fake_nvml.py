@@ -25,6 +25,10 @@ utilisation in percent, ``null`` = not supported)::
                "mig_devices": [{"mig_index": 0, "uuid": "MIG-...", "name": "...",
                                 "memory_total": 0, "memory_used": 0, "processes": []}]}]}
 
+A GPU may also give its current clocks in MHz, ``"clock_sm_mhz"`` and ``"clock_mem_mhz"``
+(``nvidia-smi --query-gpu=clocks.sm,clocks.mem``); a description without them reads as a GPU
+that cannot report its clocks.
+
 Process owners and command lines are not NVML readings (gpukit reads them from ``/proc``), and
 the pids of a described machine are not processes of this one, so the fake also offers
 ``gpukit_process_info(pid)``, which gpukit consults instead of ``/proc`` when present.
@@ -205,6 +209,8 @@ _GPU: dict[str, _Check] = {
     "multiprocessor_count": _or_null(_whole),
     "mig_mode": _or_null(_flag),
     "nvml_error": _or_null(_text),
+    "clock_sm_mhz": _or_null(_whole),
+    "clock_mem_mhz": _or_null(_whole),
 }
 _MACHINE: dict[str, _Check] = {
     "description": _text,
@@ -468,3 +474,11 @@ class FakeNvml:
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: _Handle) -> list[SimpleNamespace]:
         self._check("nvmlDeviceGetGraphicsRunningProcesses")
         return []
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
+        """The current SM or memory clock in MHz; any other clock is not described."""
+        keys = {pynvml.NVML_CLOCK_SM: "clock_sm_mhz", pynvml.NVML_CLOCK_MEM: "clock_mem_mhz"}
+        if clock_type not in keys:
+            self._check("nvmlDeviceGetClockInfo")
+            raise _error("NotSupported")
+        return int(self._reading(handle, keys[clock_type], "nvmlDeviceGetClockInfo"))

@@ -97,6 +97,10 @@ class GPU:
     """Every process on the GPU, those running inside its MIG instances included."""
     error: str | None = None
     """Why NVML could not read this GPU at all (e.g. "GPU is lost"); its readings are then None."""
+    clock_sm_mhz: int | None = None
+    """Current SM clock in MHz (``clocks.sm``)."""
+    clock_mem_mhz: int | None = None
+    """Current memory clock in MHz (``clocks.mem``)."""
 
 
 @dataclass(frozen=True)
@@ -419,6 +423,8 @@ def _read_gpu(read: _Reader, index: int) -> GPU:
         mig_mode=mig_on,
         mig_instances=_mig_instances(read, handle) if mig_on else (),
         processes=_processes(read, handle),
+        clock_sm_mhz=read(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
+        clock_mem_mhz=read(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM),
     )
 
 

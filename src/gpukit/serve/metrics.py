@@ -4,16 +4,22 @@ Names follow Prometheus conventions: base units (bytes, watts, Celsius), ratios 
 ``gpu`` label holding nvidia-smi's index. A reading the device cannot give has no sample at all
 (absent, not NaN), as the exporters do. Each name's ``nvidia-smi`` twin is in its help text so a
 reader can check a value by hand.
+
+The same GPU readings are also served under dcgm-exporter's names, labels and units
+(:mod:`gpukit.serve.dcgm`), so that dashboards built for it read gpukit unchanged.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gpukit.serve.dcgm import dcgm_families
 
 if TYPE_CHECKING:
     from gpukit.gpus.inventory import Inventory
@@ -28,8 +34,11 @@ def _text(value: object, limit: int = 64) -> str:
 
 
 class _SampleCollector(Collector):
-    def __init__(self, inv: Inventory | None, queue: Sharing | None, ok: bool, stale: bool) -> None:
+    def __init__(
+        self, inv: Inventory | None, queue: Sharing | None, ok: bool, stale: bool, host: str
+    ) -> None:
         self.inv = inv
+        self.host = host
         self.ok = ok
         self.stale = stale
         self.claims_known = queue is not None
@@ -72,6 +81,7 @@ class _SampleCollector(Collector):
         if self.inv is None:
             return
         yield from self._gpus(self.inv)
+        yield from dcgm_families(self.inv, self.host)
 
     def _gpus(self, inv: Inventory) -> Iterator[Metric]:
         gpu = ["gpu"]
@@ -162,16 +172,24 @@ class _SampleCollector(Collector):
 
 
 def exposition(
-    inv: Inventory | None, queue: Sharing | None, *, ok: bool = True, stale: bool | None = None
+    inv: Inventory | None,
+    queue: Sharing | None,
+    *,
+    ok: bool = True,
+    stale: bool | None = None,
+    host: str | None = None,
 ) -> bytes:
     """The Prometheus text exposition of one sample (what ``/metrics`` answers).
 
     ``queue`` is ``gpukit queue``'s snapshot (holders, waiters), ``None`` when unknown. ``ok``
     says NVML was read; ``stale`` that some part of the sample failed (by default: NVML not
-    read or claims unknown).
+    read or claims unknown). ``host`` is the machine's name on the dcgm-exporter names
+    (their ``Hostname`` label); None: this machine's host name.
     """
     if stale is None:
         stale = not ok or queue is None
+    if host is None:
+        host = socket.gethostname()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SampleCollector(inv, queue, ok, stale))
+    registry.register(_SampleCollector(inv, queue, ok, stale, host))
     return generate_latest(registry)

@@ -275,7 +275,9 @@ class Sampler:
             queue=queue,
             error=error,
             failed=dict(failed),
-            metrics=exposition(inv, queue, ok="gpus" not in failed, stale=bool(failed)),
+            metrics=exposition(
+                inv, queue, ok="gpus" not in failed, stale=bool(failed), host=self.host
+            ),
             inventory_json=_dumps(inv_doc if inv_doc is not None else {"error": error}),
             queue_json=_dumps(queue_doc),
             state_json=_dumps(state),
