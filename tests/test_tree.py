@@ -177,6 +177,31 @@ def test_defaultdict_keeps_its_factory_and_a_read_only_mapping_its_type() -> Non
     assert moved["x"].item() == 2
 
 
+class _ModelOutput(OrderedDict[str, Any]):
+    """As transformers' ModelOutput behaves: update() refused, keys mirrored as attributes."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("You cannot use ``update`` on a ModelOutput instance.")
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+def test_a_model_output_that_refuses_update_is_rebuilt_key_by_key() -> None:
+    # A Hugging Face model's output under prepare(precision="bf16-mixed"), whose float32
+    # cast of the outputs rebuilds it.
+    out = _ModelOutput()
+    out["logits"] = torch.ones(2)
+    out["loss"] = torch.zeros(())
+    moved = gk.tree_map(lambda t: t + 1, out)
+    assert type(moved) is _ModelOutput
+    assert list(moved) == ["logits", "loss"]
+    assert torch.equal(moved.logits, torch.full((2,), 2.0))  # the attribute follows its key
+    assert torch.equal(moved["loss"], torch.ones(()))
+    assert torch.equal(out.logits, torch.ones(2))  # the original is untouched
+
+
 def test_a_dataclass_copy_recomputes_its_cached_properties() -> None:
     @dataclasses.dataclass
     class Batch:

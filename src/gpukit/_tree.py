@@ -160,7 +160,10 @@ def rebuild(obj: Any, kind: int, values: list[Any]) -> Any:
             return dict(zip(obj, values, strict=True))
         if isinstance(obj, dict):
             new = copy.copy(obj)
-            new.update(zip(obj, values, strict=True))
+            # Key by key, through the subclass's own __setitem__: transformers' ModelOutput
+            # refuses update() and keeps its attributes in step with its keys there.
+            for key, value in zip(obj, values, strict=True):
+                new[key] = value
             return new
         return cls(dict(zip(obj, values, strict=True)))
     if kind == SEQUENCE:
