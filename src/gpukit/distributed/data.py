@@ -189,20 +189,26 @@ def _batches_before(sizes: list[int], consumed: int) -> int:
 
 
 class _EmptyAware:
-    """The loader's collate function, which also builds a 0-row batch for an empty share.
+    """The loader's collate function, which also builds the batch of an empty share.
 
     A batch of no sample has no structure to collate from, so one sample is collated and
-    every tensor (and list) in it cut to 0 rows: the model runs on it, its gradient is 0.
+    every tensor (and list) in it cut to 0 rows: the model runs on it, its gradient is 0. With
+    ``stand_in`` the sample stays whole instead, for models that cannot run on 0 rows (a
+    Hugging Face model's attention reshapes with ``-1``): the step weighs it 0.
     """
 
-    def __init__(self, collate: Callable[[list[Any]], Any], dataset: Sequence[Any]) -> None:
+    def __init__(
+        self, collate: Callable[[list[Any]], Any], dataset: Sequence[Any], stand_in: bool
+    ) -> None:
         self.collate = collate
         self.dataset = dataset
+        self.stand_in = stand_in
 
     def __call__(self, samples: list[Any]) -> Any:
         if samples:
             return self.collate(samples)
-        return _empty(self.collate([self.dataset[0]]))
+        batch = self.collate([self.dataset[0]])
+        return batch if self.stand_in else _empty(batch)
 
 
 def _empty(batch: Any) -> Any:
@@ -257,6 +263,8 @@ class DistributedLoader:
         context: the step context to fill; None: ``train_step``'s, or a new one.
         exact: exact mode's cut (:func:`~gpukit.train.exact.exact_plan`), which then decides
             ``batch_size`` and ``accumulate``; None: the cut above.
+        stand_in: an empty share arrives as a stand-in, the dataset's first sample, weighed
+            0 by the step (:attr:`current_len` is 0 there), instead of a batch of 0 rows.
 
     Raises:
         InvalidArgumentError: the loader has a custom batch sampler or sampler, ``seed`` is
@@ -278,6 +286,7 @@ class DistributedLoader:
         train_step: TrainStep | None = None,
         context: StepContext | None = None,
         exact: ExactPlan | None = None,
+        stand_in: bool = False,
     ) -> None:
         if exact is not None:  # the plan decides the cut: K micro-batches of m per process
             batch_size, accumulate = exact.micro_batch_size, exact.per_process
@@ -312,7 +321,7 @@ class DistributedLoader:
             batch_sampler=self.sampler,
             generator=self._worker_seeds,
             num_workers=loader.num_workers,
-            collate_fn=_EmptyAware(loader.collate_fn, dataset),  # type: ignore[arg-type]
+            collate_fn=_EmptyAware(loader.collate_fn, dataset, stand_in),  # type: ignore[arg-type]
             pin_memory=loader.pin_memory or device.type == "cuda",
             timeout=loader.timeout,
             worker_init_fn=WorkerStart(loader.worker_init_fn),
@@ -321,6 +330,7 @@ class DistributedLoader:
             persistent_workers=loader.persistent_workers,
         )
         self.dataset = dataset
+        self.stand_in = stand_in  # empty shares arrive as stand-ins (current_len 0)
         self.batch_size = batch_size
         self.accumulate = accumulate
         self.global_batch_size = batch_size * world_size * accumulate

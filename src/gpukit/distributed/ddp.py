@@ -98,6 +98,7 @@ def prepare(
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
+    stand_in: bool = ...,
 ) -> tuple[M | DistributedDataParallel, Opt]: ...
 @overload
 def prepare(
@@ -114,6 +115,7 @@ def prepare(
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
+    stand_in: bool = ...,
 ) -> tuple[M | DistributedDataParallel, Opt, DistributedLoader]: ...
 @overload
 def prepare(
@@ -130,6 +132,7 @@ def prepare(
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
+    stand_in: bool = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 @overload
 def prepare(
@@ -146,6 +149,7 @@ def prepare(
     seed: int = ...,
     ddp_kwargs: Mapping[str, Any] | None = ...,
     shard: ShardPolicy = ...,
+    stand_in: bool = ...,
 ) -> tuple[M | DistributedDataParallel, DistributedLoader]: ...
 def prepare(
     model: nn.Module,
@@ -161,6 +165,7 @@ def prepare(
     seed: int = 0,
     ddp_kwargs: Mapping[str, Any] | None = None,
     shard: ShardPolicy = False,
+    stand_in: bool = False,
 ) -> Any:
     """Move the model (and DDP-wrap it when there are several processes), shard the loader.
 
@@ -233,6 +238,9 @@ def prepare(
         ddp_kwargs: options for ``DistributedDataParallel``, or None.
         shard: False (DDP, the default); or FSDP2 with True (repeated blocks as units), the
             module classes to shard as units, or a function that says whether to shard one.
+        stand_in: with a loader, a rank whose share of a micro-batch is empty (the end of an
+            epoch) gets a stand-in, one real sample the step weighs 0, instead of a batch of
+            0 rows: for models that cannot run on 0 rows, such as Hugging Face's.
 
     Raises:
         InvalidArgumentError: an object of the wrong type, batch sizes that do not fit together,
@@ -244,6 +252,12 @@ def prepare(
     _check_objects(model, optimizer, loader)
     checked_seed(seed)  # before any work: the loader's shuffle, saved with its position
     check_bool("exact", exact)
+    check_bool("stand_in", stand_in)
+    if stand_in and loader is None:
+        raise InvalidArgumentError(
+            "prepare() got stand_in=True without a loader.",
+            hint="stand_in= changes the batches of a prepared loader: pass the loader too.",
+        )
     ctx = _ready()
     resolved = resolve_precision(precision, ctx.device)
     steps = 1
@@ -259,7 +273,7 @@ def prepare(
             shard=shard,
             ddp_kwargs=ddp_kwargs,
         )
-        return _prepare_exact(model, optimizer, loader, plan, ctx, resolved, seed, shard)
+        return _prepare_exact(model, optimizer, loader, plan, ctx, resolved, seed, shard, stand_in)
     if loader is not None:
         size, steps = micro_batches(
             ctx.world_size, per_device_batch_size, global_batch_size, accumulate
@@ -330,6 +344,7 @@ def prepare(
                 seed=seed,
                 accumulate=steps,
                 context=context,
+                stand_in=stand_in,
             )
         )
     return out[0] if len(out) == 1 else tuple(out)
@@ -420,6 +435,7 @@ def _prepare_exact(
     precision: Precision,
     seed: int,
     shard: ShardPolicy,
+    stand_in: bool,
 ) -> tuple[nn.Module, Optimizer, DistributedLoader]:
     """Exact mode's model (moved, rank 0's weights on every rank, not wrapped; or sharded with
     the exact reduce-scatter), optimizer and loader, sharing one step context."""
@@ -462,5 +478,6 @@ def _prepare_exact(
         seed=seed,
         context=context,
         exact=plan,
+        stand_in=stand_in,
     )
     return model, _prepare_optimizer(optimizer, ctx), prepared

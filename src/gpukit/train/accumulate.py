@@ -136,6 +136,8 @@ class Accumulation:
             n = ctx.samples if ctx.samples is not None else 1
         else:
             ctx.user_counts = True
+            if ctx.samples == 0:  # an empty share's stand-in: its tokens are no one's
+                n = 0
         ctx.local_count += n
         if ctx.reference is None and self.exact is not None:
             # A reference every rank and every number of processes shares, a rank without a
