@@ -167,6 +167,7 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_save_meeting.py",
     ],
     "gpukit.train._staging": ["tests/train/test_staging.py", "tests/train/test_state.py"],
+    "gpukit.train._sharded_part": ["tests/train/test_state.py", "tests/train/test_saves_edges.py"],
     "gpukit.train.preempt": [
         "tests/train/test_preempt.py",
         "tests/train/test_preempt_and_loader_edges.py",
