@@ -36,6 +36,8 @@ def _write(tmp_path: Path, data: Any) -> Path:
         ({"gpus": [{"mig_devices": [{"processes": [{"pid": -1}]}]}]}, "mig_devices[0].processes"),
         ({"gpus": [], "cuda_driver_version": "12.4"}, "cuda_driver_version is str '12.4'"),
         ({"gpus": [{"temperature_c": True}]}, "gpus[0].temperature_c is bool True"),
+        ({"gpus": [{"fan_speed": "fast"}]}, "gpus[0].fan_speed is str 'fast'"),
+        ({"gpus": [{"utilization_decoder": -5}]}, "gpus[0].utilization_decoder is int -5"),
         ([], "the description is list [], not an object"),
         ({}, "the description has no 'gpus'"),
     ],

@@ -64,6 +64,61 @@ def test_inventory_reads_memory_and_unsupported_readings_become_none(
 
 
 @pytest.mark.parametrize("machine", WITH_DRIVER, ids=lambda p: p.stem)
+def test_inventory_reads_fan_speed_and_video_engine_load_or_none(
+    monkeypatch: pytest.MonkeyPatch, machine: Path
+) -> None:
+    described = _use(monkeypatch, machine)
+    assert [
+        (g.fan_speed, g.utilization_encoder, g.utilization_decoder) for g in inventory().gpus
+    ] == [
+        (g.get("fan_speed"), g.get("utilization_encoder"), g.get("utilization_decoder"))
+        for g in described["gpus"]
+    ]
+
+
+def test_a_description_without_fan_and_video_engine_readings_reads_them_as_none(
+    monkeypatch: pytest.MonkeyPatch, machines_dir: Path, tmp_path: Path
+) -> None:
+    data = json.loads((machines_dir / "workstation-mixed-order.json").read_text())
+    for gpu in data["gpus"]:
+        for key in ("fan_speed", "utilization_encoder", "utilization_decoder"):
+            del gpu[key]
+    path = tmp_path / "older.json"
+    path.write_text(json.dumps(data))
+    _use(monkeypatch, path)
+    gpus = inventory().gpus
+    assert [(g.fan_speed, g.utilization_encoder, g.utilization_decoder) for g in gpus] == [
+        (None, None, None)
+    ] * 2
+    assert [g.memory_used for g in gpus] == [g["memory_used"] for g in data["gpus"]]
+
+
+@pytest.mark.parametrize(
+    ("unsupported", "readable"),
+    [
+        (["nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"], False),
+        (["nvmlDeviceGetComputeRunningProcesses"], True),
+        ([], True),
+    ],
+)
+def test_a_gpu_whose_processes_nvml_cannot_list_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+    machines_dir: Path,
+    tmp_path: Path,
+    unsupported: list[str],
+    readable: bool,
+) -> None:
+    machine = _variant(
+        tmp_path, machines_dir / "laptop-rtx3060.json", unsupported_functions=unsupported
+    )
+    _use(monkeypatch, machine)
+    (gpu,) = inventory().gpus
+    assert gpu.processes_readable is readable
+    # The fake's graphics query lists no one: the laptop's two processes are compute ones.
+    assert len(gpu.processes) == (2 if not unsupported else 0)
+
+
+@pytest.mark.parametrize("machine", WITH_DRIVER, ids=lambda p: p.stem)
 def test_inventory_round_trips_through_json(monkeypatch: pytest.MonkeyPatch, machine: Path) -> None:
     _use(monkeypatch, machine)
     inv = inventory()
@@ -231,7 +286,7 @@ def test_from_json_ignores_fields_added_by_a_newer_writer(
     inv = inventory()
     data = inv.to_json()
     data["future"] = 1
-    data["gpus"][0]["fan_speed"] = 30
+    data["gpus"][0]["fan_rpm"] = 1800
     assert Inventory.from_json(data) == inv
 
 

@@ -24,10 +24,22 @@ from gpukit.untrusted import dumps
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
+FORMATS = ("gpukit", "gpustat")
+"""What ``--json`` prints: gpukit's inventory, or gpustat's document (gpus/gpustat_format.py)."""
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the arguments of ``gpukit list``."""
-    parser.add_argument("--json", action="store_true", help="print JSON (with a schema field)")
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON (with a schema field, or see --format)"
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="with --json: gpukit's inventory (default), or the document `gpustat --json` "
+        "prints, for scripts written for gpustat",
+    )
     add_watch(parser)
     remote = parser.add_argument_group("other machines (over ssh, nothing to install there)")
     remote.add_argument(
@@ -114,6 +126,32 @@ def _read() -> tuple[Inventory, VisibleDevices, LockFolderState]:
     return inv, visible_devices(inv), read_lock_folder()
 
 
+def _json(args: argparse.Namespace) -> dict[str, Any]:
+    """The document ``--json`` prints: the inventory with views and claims, or gpustat's."""
+    if args.format == "gpustat":
+        from gpukit.gpus.gpustat_format import gpustat_json
+
+        return gpustat_json(inventory())
+    return _payload(*_read())
+
+
+def _check_format(args: argparse.Namespace) -> None:
+    """Refuse a ``--format`` without ``--json`` to shape, or gpustat's for several hosts."""
+    from gpukit.errors import InvalidArgumentError
+
+    if args.format is not None and not args.json:
+        raise InvalidArgumentError(
+            f"--format {args.format} chooses what --json prints, and --json was not given.",
+            hint=f"Add --json: gpukit list --json --format {args.format}.",
+        )
+    if args.format == "gpustat" and args.hosts is not None:
+        raise InvalidArgumentError(
+            "--format gpustat describes one machine, as gpustat does; --hosts lists several.",
+            hint="Run `gpukit list --json --format gpustat` on each host (over ssh), or leave "
+            "--format out for gpukit's JSON of every host.",
+        )
+
+
 def _watch(args: argparse.Namespace) -> int:
     from rich.live import Live
 
@@ -125,12 +163,11 @@ def _watch(args: argparse.Namespace) -> int:
         if args.json or not out.is_terminal:
             # A log or a program: a full reading per interval, never cursor movement.
             while True:
-                inv, view, locks = _read()
                 if args.json:
-                    sys.stdout.write(dumps(_payload(inv, view, locks), default=str) + "\n")
+                    sys.stdout.write(dumps(_json(args), default=str) + "\n")
                     sys.stdout.flush()
                 else:
-                    _print(out, _render(inv, view, locks))
+                    _print(out, _render(*_read()))
                 time.sleep(interval)
         # auto_refresh off: the screen changes only when a new reading arrives, so an idle
         # watch costs one NVML reading per interval and no redraws in between.
@@ -169,6 +206,7 @@ def _hosts(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Print the GPUs once, or keep a live view with ``--watch``."""
+    _check_format(args)
     if args.hosts is not None:
         return _hosts(args)
     if args.timeout is not None or args.ssh_command is not None:
@@ -181,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
     say_if_fake("list")
     if args.watch is not None:
         return _watch(args)
+    if args.json and args.format == "gpustat":
+        # gpustat's own layout (json.dump with indent=4), so that even a diff against it is empty.
+        sys.stdout.write(dumps(_json(args), indent=4, separators=(",", ": ")) + "\n")
+        return ExitCode.OK
     inv, view, locks = _read()
     if args.json:
         print_json(_payload(inv, view, locks))

@@ -25,9 +25,10 @@ utilisation in percent, ``null`` = not supported)::
                "mig_devices": [{"mig_index": 0, "uuid": "MIG-...", "name": "...",
                                 "memory_total": 0, "memory_used": 0, "processes": []}]}]}
 
-A GPU may also give its current clocks in MHz, ``"clock_sm_mhz"`` and ``"clock_mem_mhz"``
-(``nvidia-smi --query-gpu=clocks.sm,clocks.mem``); a description without them reads as a GPU
-that cannot report its clocks.
+Optional readings, so that older descriptions still load (absent reads as a GPU that cannot
+give them): the current clocks in MHz, ``"clock_sm_mhz"`` and ``"clock_mem_mhz"``
+(``nvidia-smi --query-gpu=clocks.sm,clocks.mem``); ``"fan_speed"`` (percent of the fan's
+maximum); ``"utilization_encoder"`` and ``"utilization_decoder"`` (percent).
 
 Process owners and command lines are not NVML readings (gpukit reads them from ``/proc``), and
 the pids of a described machine are not processes of this one, so the fake also offers
@@ -50,6 +51,8 @@ from gpukit.errors import InvalidArgumentError
 from gpukit.untrusted import InvalidInput, parse_json, read_file
 
 ENV_VAR = "GPUKIT_FAKE_NVML"
+_CODEC_PERIOD_US = 167_000
+"""The sampling period the fake gives with encoder and decoder readings, in microseconds."""
 _MAX_DESCRIPTION = 4 << 20
 """The largest machine description read: the biggest shipped one is a few kilobytes."""
 
@@ -211,6 +214,9 @@ _GPU: dict[str, _Check] = {
     "nvml_error": _or_null(_text),
     "clock_sm_mhz": _or_null(_whole),
     "clock_mem_mhz": _or_null(_whole),
+    "fan_speed": _or_null(_whole),
+    "utilization_encoder": _or_null(_whole),
+    "utilization_decoder": _or_null(_whole),
 }
 _MACHINE: dict[str, _Check] = {
     "description": _text,
@@ -482,3 +488,22 @@ class FakeNvml:
             self._check("nvmlDeviceGetClockInfo")
             raise _error("NotSupported")
         return int(self._reading(handle, keys[clock_type], "nvmlDeviceGetClockInfo"))
+
+    def nvmlDeviceGetIndex(self, handle: _Handle) -> int:
+        """The GPU's NVML index: its place in the description's ``gpus`` (as gpustat asks it)."""
+        self._check("nvmlDeviceGetIndex")
+        return handle.gpu
+
+    def nvmlDeviceGetFanSpeed(self, handle: _Handle) -> int:
+        """Percent of the fan's maximum speed (``fan.speed``)."""
+        return int(self._reading(handle, "fan_speed", "nvmlDeviceGetFanSpeed"))
+
+    def nvmlDeviceGetEncoderUtilization(self, handle: _Handle) -> list[int]:
+        """``[percent, sampling period in µs]``, as nvidia-ml-py returns it."""
+        percent = self._reading(handle, "utilization_encoder", "nvmlDeviceGetEncoderUtilization")
+        return [int(percent), _CODEC_PERIOD_US]
+
+    def nvmlDeviceGetDecoderUtilization(self, handle: _Handle) -> list[int]:
+        """``[percent, sampling period in µs]``, as nvidia-ml-py returns it."""
+        percent = self._reading(handle, "utilization_decoder", "nvmlDeviceGetDecoderUtilization")
+        return [int(percent), _CODEC_PERIOD_US]

@@ -101,6 +101,16 @@ class GPU:
     """Current SM clock in MHz (``clocks.sm``)."""
     clock_mem_mhz: int | None = None
     """Current memory clock in MHz (``clocks.mem``)."""
+    fan_speed: int | None = None
+    """Percent of the fan's maximum speed (``fan.speed``); None for a GPU without a fan of its
+    own (passively cooled datacenter GPUs, most laptops)."""
+    utilization_encoder: int | None = None
+    """Percent of the last sample period the video encoder ran (NVENC; ``utilization.encoder``)."""
+    utilization_decoder: int | None = None
+    """Percent of the last sample period the video decoder ran (NVDEC; ``utilization.decoder``)."""
+    processes_readable: bool = True
+    """False when NVML can list none of this GPU's processes (neither its compute nor its
+    graphics query is supported): ``processes`` is then empty for want of a reading."""
 
 
 @dataclass(frozen=True)
@@ -348,14 +358,21 @@ def _proc_owner_and_command(pid: int) -> tuple[str | None, str | None]:
     return user_name(uid), printable(text, limit=_COMMAND_LIMIT)
 
 
-def _processes(read: _Reader, handle: Any) -> tuple[GpuProcess, ...]:
+def _processes(read: _Reader, handle: Any) -> tuple[GpuProcess, ...] | None:
+    """The processes on ``handle``; None when NVML can list them by neither query."""
     nvml = read.nvml
     found: dict[int, int | None] = {}
-    for query in (
-        nvml.nvmlDeviceGetComputeRunningProcesses,
-        nvml.nvmlDeviceGetGraphicsRunningProcesses,
-    ):
-        for p in read(query, handle) or ():
+    answers = [
+        read(query, handle)
+        for query in (
+            nvml.nvmlDeviceGetComputeRunningProcesses,
+            nvml.nvmlDeviceGetGraphicsRunningProcesses,
+        )
+    ]
+    if all(answer is None for answer in answers):
+        return None
+    for answer in answers:
+        for p in answer or ():
             # A process with both a compute and a graphics context is listed twice.
             memory = getattr(p, "usedGpuMemory", None)
             found[int(p.pid)] = max(filter(None, (found.get(int(p.pid)), memory)), default=memory)
@@ -386,7 +403,7 @@ def _mig_instances(read: _Reader, handle: Any) -> tuple[MigInstance, ...]:
                 name=_text(read(nvml.nvmlDeviceGetName, mig)),
                 memory_total=total,
                 memory_used=used,
-                processes=_processes(read, mig),
+                processes=_processes(read, mig) or (),
             )
         )
     return tuple(instances)
@@ -405,6 +422,7 @@ def _read_gpu(read: _Reader, index: int) -> GPU:
     mig = read(nvml.nvmlDeviceGetMigMode, handle)
     mig_on = None if mig is None else bool(mig[0])
     cc = read(nvml.nvmlDeviceGetCudaComputeCapability, handle)
+    processes = _processes(read, handle)
     return GPU(
         index=index,
         uuid=_text(read(nvml.nvmlDeviceGetUUID, handle)) or "",
@@ -422,10 +440,19 @@ def _read_gpu(read: _Reader, index: int) -> GPU:
         compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
         mig_mode=mig_on,
         mig_instances=_mig_instances(read, handle) if mig_on else (),
-        processes=_processes(read, handle),
+        processes=processes or (),
         clock_sm_mhz=read(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
         clock_mem_mhz=read(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM),
+        fan_speed=read(nvml.nvmlDeviceGetFanSpeed, handle),
+        utilization_encoder=_codec(read(nvml.nvmlDeviceGetEncoderUtilization, handle)),
+        utilization_decoder=_codec(read(nvml.nvmlDeviceGetDecoderUtilization, handle)),
+        processes_readable=processes is not None,
     )
+
+
+def _codec(value: list[int] | None) -> int | None:
+    """The percent of an encoder or decoder reading, which NVML gives as [percent, period µs]."""
+    return None if value is None else int(value[0])
 
 
 def _cuda_version(value: int | None) -> str | None:
