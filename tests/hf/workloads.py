@@ -248,3 +248,19 @@ def train_on(_rank: int, folder: str) -> Weights:
     for batch in loader:
         dist.step(loss_of(net, batch), count=tokens(batch["labels"]))
     return full_weights(net)
+
+
+def train_exact_float32(precision: str) -> tuple[Weights, str]:
+    """Exact mode with dropout, the model in float32 under ``precision`` (on a GPU where there
+    is one): the final weights and the device they were trained on."""
+    net = model(dropout=0.1).float()
+    opt = optimizer(net)
+    loader = DataLoader(Sequences(), batch_size=GLOBAL_BATCH)
+    net, opt, loader = dist.prepare(
+        net, opt, loader, exact=True, global_batch_size=GLOBAL_BATCH, micro_batch_size=2,
+        precision=precision, stand_in=True,
+    )  # fmt: skip
+    for _ in range(EPOCHS):
+        for batch in loader:
+            dist.step(net(**batch).loss, count=tokens(batch["labels"]))
+    return full_weights(net), next(net.parameters()).device.type
