@@ -20,19 +20,6 @@ from tests.hf import workloads as work
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_workers]
 
-TOLERANCE = 1e-12
-"""float64: one process on the whole batch and micro-batches summed in another order differ
-by rounding alone, ~1e-14 after the run's AdamW steps."""
-
-
-def _furthest(got: work.Weights, want: work.Weights) -> float:
-    assert got.keys() == want.keys()
-    return max((got[k] - want[k]).abs().max().item() for k in want)
-
-
-def _equal(got: work.Weights, want: work.Weights) -> bool:
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-
 
 @pytest.fixture(scope="module")
 def whole_batches() -> work.Weights:
@@ -44,7 +31,7 @@ def test_one_process_accumulating_token_counts_ends_with_the_whole_batch_weights
     whole_batches: work.Weights,
 ) -> None:
     # 2 micro-batches a step, each its own mean over its real tokens, weighed by its count.
-    assert _furthest(work.train(accumulate=2), whole_batches) <= TOLERANCE
+    assert work.furthest(work.train(accumulate=2), whole_batches) <= work.TOLERANCE
 
 
 def test_averaging_the_micro_batches_means_misses_the_whole_batch() -> None:
@@ -52,7 +39,7 @@ def test_averaging_the_micro_batches_means_misses_the_whole_batch() -> None:
     # so a token of a short micro-batch counts more than one of a long one. Run beside the
     # test above, it shows that test can tell the two apart.
     whole = work.reference()
-    assert _furthest(work.train(accumulate=2, count=False), whole) > 1e-3
+    assert work.furthest(work.train(accumulate=2, count=False), whole) > 1e-3
 
 
 def test_the_models_own_float32_loss_agrees_to_float32_rounding() -> None:
@@ -60,14 +47,14 @@ def test_the_models_own_float32_loss_agrees_to_float32_rounding() -> None:
     # run on model(**batch).loss agrees to ~1e-6 after its AdamW steps, not to 1e-12; the
     # per-micro-batch mean is 1e4 times further.
     whole = work.reference(hf_loss=True)
-    assert _furthest(work.train(accumulate=2, hf_loss=True), whole) <= 1e-5
+    assert work.furthest(work.train(accumulate=2, hf_loss=True), whole) <= 1e-5
 
 
 def test_a_run_resumed_from_its_training_state_ends_bitwise_as_the_uninterrupted_one(
     tmp_path: Path,
 ) -> None:
     uninterrupted = work.train(accumulate=2)
-    assert _equal(work.train_with_state(0, str(tmp_path / "run")), uninterrupted)
+    assert work.equal(work.train_with_state(0, str(tmp_path / "run")), uninterrupted)
 
 
 def test_an_export_opens_with_from_pretrained_and_gives_the_same_logits(tmp_path: Path) -> None:

@@ -25,19 +25,6 @@ from tests.hf import workloads as work
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_workers]
 
-TOLERANCE = 1e-12
-"""float64: one process on the whole batch and micro-batches summed in another order differ
-by rounding alone, ~1e-14 after the run's AdamW steps."""
-
-
-def _furthest(got: work.Weights, want: work.Weights) -> float:
-    assert got.keys() == want.keys()
-    return max((got[k] - want[k]).abs().max().item() for k in want)
-
-
-def _equal(got: work.Weights, want: work.Weights) -> bool:
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-
 
 @pytest.fixture(scope="module")
 def single() -> dict[str, work.Weights]:
@@ -60,8 +47,8 @@ def test_two_processes_accumulating_tokens_end_with_the_whole_batch_weights(
     # 0 rows), weighed 0.
     other_rank.run(work.train, 2)
     mine = work.train(0, 2)
-    assert _furthest(mine, single["whole"]) <= TOLERANCE
-    assert _furthest(other_rank.result(), single["whole"]) <= TOLERANCE
+    assert work.furthest(mine, single["whole"]) <= work.TOLERANCE
+    assert work.furthest(other_rank.result(), single["whole"]) <= work.TOLERANCE
 
 
 def test_two_sharded_processes_with_a_block_policy_end_with_the_whole_batch_weights(
@@ -70,8 +57,8 @@ def test_two_sharded_processes_with_a_block_policy_end_with_the_whole_batch_weig
     policy = [work.GPT2Block]  # the documented argument: one FSDP unit per block
     other_rank.run(work.train, 2, policy)
     mine = work.train(0, 2, policy)
-    assert _furthest(mine, single["whole"]) <= TOLERANCE
-    assert _furthest(other_rank.result(), single["whole"]) <= TOLERANCE
+    assert work.furthest(mine, single["whole"]) <= work.TOLERANCE
+    assert work.furthest(other_rank.result(), single["whole"]) <= work.TOLERANCE
 
 
 def test_sharding_keeps_the_output_layer_tied_to_the_input_embedding(
@@ -90,8 +77,8 @@ def test_exact_mode_with_dropout_ends_bitwise_alike_on_one_and_two_processes(
     one = single["exact"]
     other_rank.run(work.train, 2, False, True, True, False, 0.1)
     mine = work.train(0, 2, False, True, True, False, 0.1)
-    assert _equal(mine, one)
-    assert _equal(other_rank.result(), one)
+    assert work.equal(mine, one)
+    assert work.equal(other_rank.result(), one)
 
 
 def test_a_sharded_run_resumed_from_its_training_state_ends_bitwise_as_the_uninterrupted_one(
@@ -100,11 +87,11 @@ def test_a_sharded_run_resumed_from_its_training_state_ends_bitwise_as_the_unint
     policy = [work.GPT2Block]
     other_rank.run(work.train, 2, policy)
     uninterrupted = work.train(0, 2, policy)
-    assert _equal(other_rank.result(), uninterrupted)
+    assert work.equal(other_rank.result(), uninterrupted)
     folder = str(tmp_path / "run")
     other_rank.run(work.train_with_state, folder, policy)
-    assert _equal(work.train_with_state(0, folder, policy), uninterrupted)
-    assert _equal(other_rank.result(), uninterrupted)
+    assert work.equal(work.train_with_state(0, folder, policy), uninterrupted)
+    assert work.equal(other_rank.result(), uninterrupted)
 
 
 def test_a_sharded_export_opens_with_from_pretrained_tied_and_with_the_same_logits(
@@ -129,5 +116,5 @@ def test_a_model_loaded_with_from_pretrained_trains_on_under_gpukit(
     # What one plain process makes of the loaded model, one epoch of whole batches:
     want = work.reference(net=work.from_pretrained(folder).train(), epochs=1)
     other_rank.run(work.train_on, folder)
-    assert _furthest(work.train_on(0, folder), want) <= TOLERANCE
-    assert _furthest(other_rank.result(), want) <= TOLERANCE
+    assert work.furthest(work.train_on(0, folder), want) <= work.TOLERANCE
+    assert work.furthest(other_rank.result(), want) <= work.TOLERANCE

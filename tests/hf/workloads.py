@@ -33,6 +33,22 @@ STOP = 3
 Weights = dict[str, torch.Tensor]
 
 
+TOLERANCE = 1e-12
+"""float64: one process on the whole batch and micro-batches summed in another order differ
+by rounding alone, ~1e-14 after the run's AdamW steps."""
+
+
+def furthest(got: Weights, want: Weights) -> float:
+    """The largest difference between two runs' weights (the same names in both)."""
+    assert got.keys() == want.keys()
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def equal(got: Weights, want: Weights) -> bool:
+    """Whether two runs' weights are bitwise the same."""
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def config(dropout: float = 0.0) -> GPT2Config:
     """Two blocks, tied embeddings; float64 throughout (Llama's norms and eager softmax compute
     in float32 whatever the model's dtype, which would blur a 1e-12 comparison)."""
