@@ -86,3 +86,44 @@ def test_one_process_keeps_its_model_and_optimizer_as_they_are() -> None:
 def test_one_process_still_refuses_a_bad_policy() -> None:
     with pytest.raises(InvalidArgumentError):
         shard_model(Stack(), "blocks", device=torch.device("cpu"), weight=lambda: 1.0)  # type: ignore[arg-type]
+
+
+class TiedLanguageModel(nn.Module):
+    """An embedding, layers, and an output head that is the embedding's own weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList(Attention() for _ in range(2))
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _shard(model: nn.Module, policy: object) -> nn.Module:
+    return shard_model(model, policy, device=torch.device("cpu"), weight=lambda: 1.0)  # type: ignore[arg-type]
+
+
+def test_a_policy_that_splits_tied_weights_over_two_units_is_refused_naming_them() -> None:
+    # FSDP2 would give each unit its own sharded copy: the head and the embedding trained apart.
+    with pytest.raises(
+        InvalidArgumentError, match=r"head\.weight = embed\.weight|embed\.weight = head\.weight"
+    ) as raised:
+        _shard(TiedLanguageModel(), [Attention, nn.Linear])
+    assert "root unit" in raised.value.hint
+    with pytest.raises(InvalidArgumentError, match="tied parameter"):
+        _shard(TiedLanguageModel(), [nn.Embedding])
+
+
+def test_tied_weights_in_one_unit_are_accepted() -> None:
+    model = TiedLanguageModel()
+    assert _shard(model, [Attention]) is model  # the embedding and the head stay in the root
+    assert model.head.weight is model.embed.weight
+    both = nn.Sequential(TiedLanguageModel())
+    assert _shard(both, [TiedLanguageModel]) is both  # both inside one unit of their own
+
+
+def test_a_weight_two_sibling_blocks_share_is_refused() -> None:
+    model = Transformer()
+    model.layers[1].q.weight = model.layers[0].q.weight
+    with pytest.raises(InvalidArgumentError, match=r"layers\.0\.q\.weight = layers\.1\.q\.weight"):
+        _shard(model, True)

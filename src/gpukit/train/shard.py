@@ -278,7 +278,7 @@ def shard_model(
             (a resumed run: load its state after prepare()), or holds parameters of another
             model.
     """
-    blocks_to_shard(model, policy)  # a bad policy fails in one process too
+    _check_ties(model, blocks_to_shard(model, policy))  # a bad policy fails in one process too
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
@@ -297,6 +297,41 @@ def shard_model(
         for group in optimizer.param_groups:
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
+
+
+def _check_ties(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Refuse a policy that puts one parameter (tied weights) into two sharded units.
+
+    Each unit replaces the parameters it manages (its own, less those of the units inside it)
+    with sharded ones, so a parameter that two units manage (a language model's output layer
+    tied to its input embedding, with the head made a unit of its own) would silently become
+    two, trained apart.
+    """
+    units = [*blocks, model]
+    inner = {id(unit) for unit in blocks}
+    manager: dict[int, nn.Module] = {}
+    for unit in units:
+        for param in _managed(unit, inner):
+            other = manager.setdefault(id(param), unit)
+            if other is not unit:
+                tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is param]
+                raise InvalidArgumentError(
+                    f"shard= puts the tied parameter {' = '.join(tied)} into two sharded units, "
+                    "which would train it as two parameters.",
+                    hint="Leave the module that shares it out of shard= (a language model's head "
+                    "and its input embedding can both stay in the root unit), or untie them.",
+                )
+
+
+def _managed(unit: nn.Module, units: set[int]) -> list[nn.Parameter]:
+    """The parameters ``unit`` shards itself: none of a unit inside it (ids in ``units``)."""
+    found: list[nn.Parameter] = []
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        found.extend(module.parameters(recurse=False))
+        stack.extend(c for c in module.children() if id(c) not in units)
+    return found
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
