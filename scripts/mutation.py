@@ -160,7 +160,11 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_saves_edges.py",
         "tests/train/test_staging.py",
     ],
-    "gpukit.train.contents": ["tests/train/test_state.py", "tests/train/test_save_trust.py"],
+    "gpukit.train.contents": [
+        "tests/train/test_state.py",
+        "tests/train/test_save_trust.py",
+        "tests/train/test_contents_rules.py",
+    ],
     "gpukit.train._writing": [
         "tests/train/test_state.py",
         "tests/train/test_saves_edges.py",

@@ -100,7 +100,12 @@ def check_optimizer_state(saved: object, optimizer: torch.optim.Optimizer) -> No
                 f"optimizer's has {len(mine['params'])}"
             )
         for index in params:
-            if type(index) is not int or index in indices:
+            if type(index) is not int:
+                raise InvalidInput(
+                    f"its parameter group {number} names a parameter by {type(index).__name__}, "
+                    "not by its index"
+                )
+            if index in indices:
                 raise InvalidInput(f"its parameter group {number} names a parameter twice")
             indices.add(index)
         if "lr" in mine and "lr" not in group:  # torch takes the saved group as it is
