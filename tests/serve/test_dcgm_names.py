@@ -12,12 +12,14 @@ import json
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpukit.gpus.gpm import MIN_INTERVAL_S
 from tests.helpers import MACHINES, ROOT
 
 COUNTERS = ROOT / "tests" / "fixtures" / "dcgm" / "default-counters.csv"
@@ -40,6 +42,8 @@ SERVED = {
     "DCGM_FI_DEV_SM_CLOCK",
     "DCGM_FI_DEV_MEM_CLOCK",
 }
+TENSOR = "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"
+"""Served only for GPUs with GPM (Hopper and newer), from the second reading on."""
 
 
 @dataclass(frozen=True)
@@ -241,3 +245,57 @@ def test_promtool_finds_nothing_in_gpukits_own_names(serve_machine: Any) -> None
     assert b"gpukit_gpu_memory_used_bytes" in own
     assert b"DCGM_" not in own
     assert _promtool(own) == (0, set())
+
+
+def _second_reading(served: Any) -> bytes:
+    """The metrics of the sampler's second reading: the first with a GPM value to serve."""
+    served.sampler.latest  # noqa: B018 - the first reading, taken at start
+    time.sleep(MIN_INTERVAL_S * 1.5)  # NVML compares GPM samples at least 100 ms apart
+    return served.sampler.sample().metrics
+
+
+def test_tensor_activity_has_dcgm_exporters_type_help_text_and_labels(serve_machine: Any) -> None:
+    served = serve_machine("server-2xH100-mig")
+    described = json.loads((MACHINES / "server-2xH100-mig.json").read_text())
+    family = _dcgm(_second_reading(served))[TENSOR]
+    assert (family.type, family.help) == _counters()[TENSOR]
+    gpu = described["gpus"][1]
+    assert family.samples == {
+        "1": (
+            {
+                "gpu": "1",
+                "UUID": gpu["uuid"],
+                "pci_bus_id": gpu["pci_bus_id"],
+                "device": "nvidia1",
+                "modelName": gpu["name"],
+                "Hostname": socket.gethostname(),
+                "DCGM_FI_DRIVER_VERSION": described["driver_version"],
+            },
+            gpu["tensor_active_percent"] / 100,  # a ratio, as DCGM serves it
+        )
+    }
+
+
+def test_tensor_activity_is_a_ratio_of_the_described_percent(serve_machine: Any) -> None:
+    served = serve_machine("server-2xH100-mig")
+    served.edit(1, tensor_active_percent=37.5)
+    assert _value(_dcgm(_second_reading(served)), TENSOR, 1) == 0.375
+
+
+def test_an_idle_gpu_with_gpm_has_a_zero_sample(serve_machine: Any) -> None:
+    served = serve_machine("server-2xH100-mig")
+    served.edit(1, tensor_active_percent=0)
+    assert _value(_dcgm(_second_reading(served)), TENSOR, 1) == 0.0
+
+
+def test_no_tensor_activity_is_served_at_the_first_reading(serve_machine: Any) -> None:
+    served = serve_machine("server-2xH100-mig")
+    assert TENSOR not in _dcgm(served.sampler.latest.metrics)
+
+
+@pytest.mark.parametrize("name", ["server-8xA100-shared", "server-4xL4-idle", "kaggle-2xT4-idle"])
+def test_gpus_without_gpm_serve_no_tensor_activity_even_on_later_readings(
+    serve_machine: Any, name: str
+) -> None:
+    served = serve_machine(name)
+    assert set(_dcgm(_second_reading(served))) == SERVED

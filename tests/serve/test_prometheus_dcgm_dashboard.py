@@ -3,7 +3,9 @@
 ``gpukit serve`` runs on the fake 8-GPU server and Debian's ``prometheus`` scrapes it every
 second; each panel's query of the "NVIDIA DCGM Exporter Dashboard" (grafana.com 12239, a copy
 in ``tests/fixtures/dcgm/``) is then sent as Grafana sends it, its variables set to "All" from
-the dashboard's own variable queries. Skips where the ``prometheus`` program is not installed.
+the dashboard's own variable queries. The "Tensor Core Utilization" panel needs GPUs with GPM
+(Hopper and newer, which the 8 A100s are not): it is also run against the fake H100 server.
+Skips where the ``prometheus`` program is not installed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,8 @@ pytestmark = [
 DASHBOARD = json.loads(
     (ROOT / "tests" / "fixtures" / "dcgm" / "dcgm-exporter-dashboard.json").read_text()
 )
-# Fields only DCGM's profiling module reads; NVML has no call for them, so gpukit serves none.
-NOT_FROM_NVML = ("DCGM_FI_PROF_",)
+# Read from GPM, between two readings, on GPUs that have it (Hopper and newer) only.
+GPM_ONLY = ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",)
 # Grafana's own variables, as it sets them for a 1 s scrape interval.
 GRAFANA_VARIABLES = {"__rate_interval": "4s", "__interval": "1s"}
 MIB = 1 << 20
@@ -63,8 +66,10 @@ QUERIES = [
     for target in panel.get("targets", [])
     if target.get("expr")
 ]
-SERVED = [q for q in QUERIES if not any(f in q.values[0] for f in NOT_FROM_NVML)]
-NOT_SERVED = [q for q in QUERIES if q not in SERVED]
+SERVED = [q for q in QUERIES if not any(f in q.values[0] for f in GPM_ONLY)]
+"""The queries every GPU answers."""
+FROM_GPM = [q for q in QUERIES if q not in SERVED]
+"""The queries only GPUs with GPM answer."""
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -132,12 +137,13 @@ class Scraped:
         return {r["metric"].get("gpu", ""): float(r["value"][1]) for r in data["result"]}
 
 
-def _serve(machine: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """``gpukit serve`` on ``machine``, as a user starts it; its address."""
+def _serve(machine: Path, tmp: Path, interval: str) -> tuple[subprocess.Popen[bytes], str]:
+    """``gpukit serve`` on ``machine``, reading it every ``interval`` seconds, as a user starts
+    it; its address."""
     log = tmp / "serve.log"
     with log.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpukit", "serve", "--port", "0", "--interval", "3600"],
+            [sys.executable, "-m", "gpukit", "serve", "--port", "0", "--interval", interval],
             stdout=subprocess.PIPE,
             stderr=err,
             env=subprocess_env(GPUKIT_FAKE_NVML=str(machine), GPUKIT_LOCK_DIR=str(tmp / "locks")),
@@ -201,16 +207,14 @@ def _scraped(api: str) -> bool:
         return bool(json.load(answer)["data"]["result"])
 
 
-@pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
-    tmp = tmp_path_factory.mktemp("prometheus")
-    described = json.loads((MACHINES / "server-8xA100-shared.json").read_text())
-    described["gpus"][WHOLE_MIB_GPU]["memory_used"] = 3 * 1024 * MIB
+@contextmanager
+def _scraping(tmp: Path, described: dict[str, Any], interval: str) -> Iterator[Scraped]:
+    """gpukit serve on the ``described`` machine, and a Prometheus that has scraped it once."""
     machine = tmp / "machine.json"
     machine.write_text(json.dumps(described))
     started: list[subprocess.Popen[bytes]] = []
     try:
-        serve, target = _serve(machine, tmp)
+        serve, target = _serve(machine, tmp, interval)
         started.append(serve)
         api, log = _prometheus(target, tmp, started)
         _until("Prometheus scraping gpukit serve", lambda: _scraped(api), started[-1], log)
@@ -218,6 +222,23 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     finally:
         for proc in reversed(started):
             _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
+    """The 8 A100s, read once (no GPM there, so nothing needs a second reading)."""
+    described = json.loads((MACHINES / "server-8xA100-shared.json").read_text())
+    described["gpus"][WHOLE_MIB_GPU]["memory_used"] = 3 * 1024 * MIB
+    with _scraping(tmp_path_factory.mktemp("prometheus"), described, "3600") as done:
+        yield done
+
+
+@pytest.fixture(scope="module")
+def scraped_hopper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
+    """The two H100s (one in MIG mode), read every second: GPM's value needs two readings."""
+    described = json.loads((MACHINES / "server-2xH100-mig.json").read_text())
+    with _scraping(tmp_path_factory.mktemp("prometheus-h100"), described, "1") as done:
+        yield done
 
 
 def _escape(value: str) -> str:
@@ -264,16 +285,43 @@ def test_each_panel_shows_every_gpu(scraped: Scraped, expr: str) -> None:
     assert sorted(result) == ([""] if aggregated else [str(i) for i in range(8)])
 
 
-@pytest.mark.parametrize("expr", NOT_SERVED)
-def test_a_profiling_panel_shows_no_data_rather_than_made_up_values(
+@pytest.mark.parametrize("expr", FROM_GPM)
+def test_the_tensor_core_panel_shows_no_data_on_gpus_without_gpm(
     scraped: Scraped, expr: str
 ) -> None:
     assert scraped.query(_as_grafana_sends(expr, scraped)) == {}
 
 
-def test_the_dashboard_has_seven_queries_gpukit_serves_and_one_it_cannot() -> None:
+@pytest.mark.parametrize("expr", FROM_GPM)
+def test_the_tensor_core_panel_shows_each_gpm_gpus_described_activity(
+    scraped_hopper: Scraped, expr: str
+) -> None:
+    query = _as_grafana_sends(expr, scraped_hopper)
+    # gpukit serve reads every second; its second reading is the first with a GPM value.
+    shown = _until_answered(scraped_hopper, query)
+    described = {
+        str(g["index"]): g["tensor_active_percent"] / 100  # DCGM's ratio, 0..1
+        for g in scraped_hopper.machine["gpus"]
+        if g.get("tensor_active_percent") is not None
+    }
+    assert described == {"1": 0.0625}  # GPU 0, in MIG mode, is described without GPM
+    assert shown == pytest.approx(described)
+
+
+def _until_answered(scraped: Scraped, query: str) -> dict[str, float]:
+    """The query's answer, once it has one."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        answer = scraped.query(query)
+        if answer:
+            return answer
+        time.sleep(0.2)
+    pytest.fail(f"{query}: no data within {DEADLINE_S:.0f} s")
+
+
+def test_the_dashboard_has_seven_queries_every_gpu_answers_and_one_from_gpm() -> None:
     assert len(SERVED) == 7
-    assert [q.values[0] for q in NOT_SERVED] == [
+    assert [q.values[0] for q in FROM_GPM] == [
         'DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{instance=~"$instance", gpu=~"$gpu"}'
     ]
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpukit.errors import NvmlError
+from gpukit.gpus.fake_nvml import gpm_samples_held
+from gpukit.gpus.gpm import MIN_INTERVAL_S
 from gpukit.gpus.inventory import Inventory
 from gpukit.serve import sampler as sampler_module
 from gpukit.sharing.claims import claim
@@ -134,3 +138,55 @@ def test_serve_starts_beside_a_held_ticket_of_deeply_nested_json(serve_machine: 
         m = _metrics(sample.metrics)
         assert _one(m, "gpukit_nvml_up") == 1
         assert _one(m, "gpukit_claims_up") == (sample.queue is not None)
+
+
+H100 = "GPU-923a7369-94e3-bf91-1a61-dbe22e44158b"  # GPU 1 of server-2xH100-mig: 6.25 % tensor
+
+
+def _tensor(sample: sampler_module.Sample) -> dict[str, float]:
+    """DCGM_FI_PROF_PIPE_TENSOR_ACTIVE by UUID; empty when not served."""
+    families = _metrics(sample.metrics)
+    return {labels["UUID"]: v for labels, v in families.get("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", [])}
+
+
+def _later() -> None:
+    time.sleep(MIN_INTERVAL_S * 1.5)  # NVML compares GPM samples at least 100 ms apart
+
+
+def test_tensor_activity_is_served_from_the_second_reading_on(serve_machine: Any) -> None:
+    served = serve_machine("server-2xH100-mig")
+    assert _tensor(served.sampler.latest) == {}  # the first reading has nothing to compare
+    _later()
+    assert _tensor(served.sampler.sample()) == {H100: 0.0625}
+    served.edit(1, tensor_active_percent=37.5)
+    _later()
+    assert _tensor(served.sampler.sample()) == {H100: 0.375}
+
+
+def test_stopping_the_sampler_frees_the_gpm_samples_it_kept(serve_machine: Any) -> None:
+    held = gpm_samples_held()
+    served = serve_machine("server-2xH100-mig")
+    for _ in range(3):
+        _later()
+        served.sampler.sample()
+    assert gpm_samples_held() == held + 1  # the last sample of the one GPU with GPM
+    served.sampler.stop()
+    assert gpm_samples_held() == held
+
+
+def test_a_gpm_failure_is_a_failed_part_and_the_gpus_still_serve(
+    serve_machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = serve_machine("server-2xH100-mig")
+    failure = NvmlError("nvmlGpmMetricsGet failed: Unknown Error.")
+    monkeypatch.setattr(served.sampler._tensor, "read", _raise(failure))
+    _later()
+    sample = served.sampler.sample()
+    assert sample.failed == {
+        "tensor": "Tensor activity unknown: nvmlGpmMetricsGet failed: Unknown Error."
+    }
+    m = _metrics(sample.metrics)
+    assert _one(m, "gpukit_nvml_up") == 1
+    assert _one(m, "gpukit_sample_stale") == 1
+    assert _tensor(sample) == {}
+    assert sorted(labels["gpu"] for labels, _ in m["DCGM_FI_DEV_GPU_TEMP"]) == ["0", "1"]

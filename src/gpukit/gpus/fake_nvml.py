@@ -28,7 +28,14 @@ utilisation in percent, ``null`` = not supported)::
 Optional readings, so that older descriptions still load (absent reads as a GPU that cannot
 give them): the current clocks in MHz, ``"clock_sm_mhz"`` and ``"clock_mem_mhz"``
 (``nvidia-smi --query-gpu=clocks.sm,clocks.mem``); ``"fan_speed"`` (percent of the fan's
-maximum); ``"utilization_encoder"`` and ``"utilization_decoder"`` (percent).
+maximum); ``"utilization_encoder"`` and ``"utilization_decoder"`` (percent);
+``"tensor_active_percent"`` (a number, 0..100): the GPU has GPU Performance Monitoring (GPM,
+Hopper and newer) and its tensor pipes were active this percent of the time between any two GPM
+samples (``NVML_GPM_METRIC_ANY_TENSOR_UTIL``). Without it (or ``null``) the GPU answers GPM as
+one before Hopper does: ``nvmlGpmQueryDeviceSupport`` says unsupported and taking a sample fails
+with ``NotSupported``. GPM samples are counted (:attr:`FakeNvml.gpm_allocated`,
+:attr:`FakeNvml.gpm_freed`, and :func:`gpm_samples_held` for the whole process, as NVML holds
+them), so that a test can see every sample freed.
 
 Process owners and command lines are not NVML readings (gpukit reads them from ``/proc``), and
 the pids of a described machine are not processes of this one, so the fake also offers
@@ -37,6 +44,8 @@ the pids of a described machine are not processes of this one, so the fake also 
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +64,27 @@ _CODEC_PERIOD_US = 167_000
 """The sampling period the fake gives with encoder and decoder readings, in microseconds."""
 _MAX_DESCRIPTION = 4 << 20
 """The largest machine description read: the biggest shipped one is a few kilobytes."""
+
+
+@dataclass
+class _GpmSample:
+    """What a GPM sample holds: NVML's buffer, and what the fake wrote into it."""
+
+    buffer: ctypes.Array[ctypes.c_char]
+    gpu: int | None = None
+    """The GPU it was last taken of; None: not taken yet."""
+    percent: float | None = None
+    """The described tensor activity when it was taken."""
+
+
+# NVML's GPM buffers belong to the process, not to one nvmlInit: a fake made for one reading
+# must compare a sample another one took (a described machine is read afresh each time).
+_GPM_SAMPLES: dict[int, _GpmSample] = {}
+
+
+def gpm_samples_held() -> int:
+    """How many GPM samples fake NVML has allocated in this process and not freed yet."""
+    return len(_GPM_SAMPLES)
 
 
 @dataclass(frozen=True)
@@ -163,6 +193,16 @@ def _flag(value: Any) -> str | None:
     return None if isinstance(value, bool) else "true or false"
 
 
+def _percent(value: Any) -> str | None:
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= 100
+    )
+    return None if ok else "a number from 0 to 100"
+
+
 def _capability(value: Any) -> str | None:
     ok = isinstance(value, list) and len(value) == 2 and all(_whole(v) is None for v in value)
     return None if ok else "a [major, minor] pair of whole numbers"
@@ -217,6 +257,7 @@ _GPU: dict[str, _Check] = {
     "fan_speed": _or_null(_whole),
     "utilization_encoder": _or_null(_whole),
     "utilization_decoder": _or_null(_whole),
+    "tensor_active_percent": _or_null(_percent),
 }
 _MACHINE: dict[str, _Check] = {
     "description": _text,
@@ -291,6 +332,10 @@ class FakeNvml:
         self._gpus: list[dict[str, Any]] = list(description.get("gpus", []))
         self._missing = set(description.get("unsupported_functions", []))
         self._initialised = 0
+        self.gpm_allocated = 0
+        """GPM samples allocated so far (``nvmlGpmSampleAlloc``)."""
+        self.gpm_freed = 0
+        """GPM samples freed so far (``nvmlGpmSampleFree``); a second free of one is refused."""
 
     @classmethod
     def from_file(cls, path: str | Path) -> FakeNvml:
@@ -507,3 +552,71 @@ class FakeNvml:
         """``[percent, sampling period in µs]``, as nvidia-ml-py returns it."""
         percent = self._reading(handle, "utilization_decoder", "nvmlDeviceGetDecoderUtilization")
         return [int(percent), _CODEC_PERIOD_US]
+
+    # -- GPU Performance Monitoring (GPM) ------------------------------------------------------
+
+    def _gpm_percent(self, handle: _Handle) -> float | None:
+        """The described tensor activity of a whole GPU with GPM; None: no GPM there."""
+        if handle.mig is not None:  # a MIG instance is sampled through its GPU, not its handle
+            return None
+        value = self._gpu(handle).get("tensor_active_percent")
+        return None if value is None else float(value)
+
+    def _gpm_sample(self, sample: Any) -> _GpmSample:
+        """The live sample behind an ``nvmlGpmSample_t``; a freed or foreign one is refused."""
+        found = _GPM_SAMPLES.get(ctypes.cast(sample, ctypes.c_void_p).value or 0)
+        if found is None:
+            raise _error("InvalidArgument")
+        return found
+
+    def nvmlGpmQueryDeviceSupport(self, handle: _Handle) -> Any:
+        """Whether the GPU has GPM: a ``c_nvmlGpmSupport_t``, as nvidia-ml-py returns it."""
+        self._check("nvmlGpmQueryDeviceSupport")
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(self._gpm_percent(handle) is not None)
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        """A new GPM sample buffer, which the caller frees with :meth:`nvmlGpmSampleFree`."""
+        self._check("nvmlGpmSampleAlloc")
+        buffer = ctypes.create_string_buffer(1)
+        _GPM_SAMPLES[ctypes.addressof(buffer)] = _GpmSample(buffer)
+        self.gpm_allocated += 1
+        return ctypes.cast(buffer, pynvml.c_nvmlGpmSample_t)
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        """Free a sample; one freed already, or never allocated here, is InvalidArgument."""
+        self._check("nvmlGpmSampleFree")
+        self._gpm_sample(sample)
+        del _GPM_SAMPLES[ctypes.cast(sample, ctypes.c_void_p).value or 0]
+        self.gpm_freed += 1
+
+    def nvmlGpmSampleGet(self, handle: _Handle, sample: Any) -> Any:
+        """Take a sample of the GPU into ``sample``; NotSupported on a GPU without GPM."""
+        self._check("nvmlGpmSampleGet")
+        percent = self._gpm_percent(handle)
+        if percent is None:
+            raise _error("NotSupported")
+        taken = self._gpm_sample(sample)
+        taken.gpu, taken.percent = handle.gpu, percent
+        return sample
+
+    def nvmlGpmMetricsGet(self, request: Any) -> Any:
+        """Each requested metric between ``request.sample1`` and ``request.sample2``: the
+        described tensor activity for ``NVML_GPM_METRIC_ANY_TENSOR_UTIL``, NotSupported in the
+        metric's own ``nvmlReturn`` for any other."""
+        self._check("nvmlGpmMetricsGet")
+        if request.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise _error("ArgumentVersionMismatch")
+        first, second = self._gpm_sample(request.sample1), self._gpm_sample(request.sample2)
+        if first.gpu is None or first.gpu != second.gpu or second.percent is None:
+            raise _error("InvalidArgument")  # not taken, or taken of two different GPUs
+        if not 0 < request.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
+            raise _error("InvalidArgument")
+        for metric in request.metrics[: request.numMetrics]:
+            if metric.metricId == pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL:
+                metric.nvmlReturn, metric.value = pynvml.NVML_SUCCESS, second.percent
+            else:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return request

@@ -6,14 +6,18 @@ readings of an inventory under those names, with dcgm-exporter's labels, metric 
 texts (those of its ``etc/default-counters.csv``), to be served beside gpukit's own names. A
 reading the GPU cannot give has no sample, as in dcgm-exporter.
 
-Only what NVML reads is served. The profiling fields (``DCGM_FI_PROF_*``: tensor core, SM and
-DRAM activity) come from DCGM's profiling module, for which NVML has no call; they are left
-out rather than made up, so a panel built on them shows "No data".
+Only what NVML reads is served. Of the profiling fields (``DCGM_FI_PROF_*``), that is
+``DCGM_FI_PROF_PIPE_TENSOR_ACTIVE`` on GPUs with GPU Performance Monitoring (Hopper and newer:
+H100, H200, GH200, Blackwell), read between two samples (:mod:`gpukit.gpus.gpm`), so from the
+second reading of ``gpukit serve`` on, as DCGM itself reads it on those GPUs. On older GPUs
+(A100, Ada's L4 and L40, T4, GeForce) DCGM reads it from its own profiling module, which NVML
+does not offer: there, as for the other profiling fields (SM and DRAM activity), nothing is
+served rather than a made-up value, so a panel built on them shows "No data".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +66,11 @@ _FIELDS = (
 )
 
 
+# Not a reading of the inventory: GPM compares two readings, so the sampler gives it by UUID.
+_TENSOR_ACTIVE = "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"
+_TENSOR_ACTIVE_HELP = "Ratio of cycles the tensor (HMMA) pipe is active."
+
+
 def _labels(g: GPU, inv: Inventory, host: str) -> list[str]:
     """A GPU's label values, in the order of :data:`LABELS`."""
     return [
@@ -75,23 +84,32 @@ def _labels(g: GPU, inv: Inventory, host: str) -> list[str]:
     ]
 
 
-def dcgm_families(inv: Inventory, host: str) -> list[GaugeMetricFamily]:
+def dcgm_families(
+    inv: Inventory, host: str, tensor_active: Mapping[str, float] | None = None
+) -> list[GaugeMetricFamily]:
     """Every GPU's readings as dcgm-exporter names them, one family per DCGM field.
 
     Memory is in whole MiB, rounded down as DCGM does (``nvidia-smi``'s ``memory.used`` in MiB);
     utilisation in percent, 0..100 (``utilization.gpu``); clocks in MHz (``clocks.sm``,
     ``clocks.mem``); power in watts (``power.draw``); temperature in Celsius
-    (``temperature.gpu``).
+    (``temperature.gpu``); tensor activity a ratio, 0..1 (``nvidia-smi dmon --gpm-metrics 5``
+    / 100), its family there only when some GPU has a value.
 
     Args:
         inv: the GPUs to describe.
         host: the ``Hostname`` label's value (dcgm-exporter's is the machine's host name).
+        tensor_active: UUID -> share of the time any tensor pipe was active, 0..1
+            (:class:`gpukit.gpus.gpm.TensorActivity`); a GPU not in it has no sample.
     """
     families = [GaugeMetricFamily(f.name, f.help, labels=LABELS) for f in _FIELDS]
+    tensor = GaugeMetricFamily(_TENSOR_ACTIVE, _TENSOR_ACTIVE_HELP, labels=LABELS)
     for g in inv.gpus:
         labels = _labels(g, inv, host)
         for field, family in zip(_FIELDS, families, strict=True):
             value = field.reading(g)
             if value is not None:
                 family.add_metric(labels, float(value))
-    return families
+        ratio = (tensor_active or {}).get(g.uuid) if g.uuid else None
+        if ratio is not None:
+            tensor.add_metric(labels, float(ratio))
+    return [*families, tensor] if tensor.samples else families

@@ -12,7 +12,7 @@ The same GPU readings are also served under dcgm-exporter's names, labels and un
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -35,10 +35,17 @@ def _text(value: object, limit: int = 64) -> str:
 
 class _SampleCollector(Collector):
     def __init__(
-        self, inv: Inventory | None, queue: Sharing | None, ok: bool, stale: bool, host: str
+        self,
+        inv: Inventory | None,
+        queue: Sharing | None,
+        ok: bool,
+        stale: bool,
+        host: str,
+        tensor_active: Mapping[str, float] | None = None,
     ) -> None:
         self.inv = inv
         self.host = host
+        self.tensor_active = tensor_active
         self.ok = ok
         self.stale = stale
         self.claims_known = queue is not None
@@ -81,7 +88,7 @@ class _SampleCollector(Collector):
         if self.inv is None:
             return
         yield from self._gpus(self.inv)
-        yield from dcgm_families(self.inv, self.host)
+        yield from dcgm_families(self.inv, self.host, self.tensor_active)
 
     def _gpus(self, inv: Inventory) -> Iterator[Metric]:
         gpu = ["gpu"]
@@ -178,18 +185,21 @@ def exposition(
     ok: bool = True,
     stale: bool | None = None,
     host: str | None = None,
+    tensor_active: Mapping[str, float] | None = None,
 ) -> bytes:
     """The Prometheus text exposition of one sample (what ``/metrics`` answers).
 
     ``queue`` is ``gpukit queue``'s snapshot (holders, waiters), ``None`` when unknown. ``ok``
     says NVML was read; ``stale`` that some part of the sample failed (by default: NVML not
     read or claims unknown). ``host`` is the machine's name on the dcgm-exporter names
-    (their ``Hostname`` label); None: this machine's host name.
+    (their ``Hostname`` label); None: this machine's host name. ``tensor_active`` maps a GPU's
+    UUID to the share of the time its tensor pipes were active since the previous sample
+    (GPM, :mod:`gpukit.gpus.gpm`), served as ``DCGM_FI_PROF_PIPE_TENSOR_ACTIVE``.
     """
     if stale is None:
         stale = not ok or queue is None
     if host is None:
         host = socket.gethostname()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SampleCollector(inv, queue, ok, stale, host))
+    registry.register(_SampleCollector(inv, queue, ok, stale, host, tensor_active))
     return generate_latest(registry)

@@ -6,8 +6,9 @@ everything the server hands out (the Prometheus text, the JSON documents) right 
 only picks up the bytes of the last sample, so a slow client never delays sampling and a scrape
 costs the same however busy the machine is.
 
-A sample has parts: ``"gpus"`` (NVML's reading) and ``"claims"`` (holders and the line, read
-from the lock folder, which other users write). Whatever one part raises, the others are still
+A sample has parts: ``"gpus"`` (NVML's reading), ``"tensor"`` (each GPU's tensor activity since
+the previous sample, from GPM: :mod:`gpukit.gpus.gpm`) and ``"claims"`` (holders and the line,
+read from the lock folder, which other users write). Whatever one part raises, the others are still
 read and served, and the sample is marked stale with the part and why in
 :attr:`Sample.failed`: the GPUs of the last good reading are kept and said to be old, claims
 that could not be read are unknown (never "free"). A server never stops on someone else's file.
@@ -21,11 +22,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpukit.errors import GpukitError, InvalidArgumentError
+from gpukit.gpus.gpm import TensorActivity
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.sharing.report import Sharing, sharing
 from gpukit.untrusted import dumps, printable
@@ -61,8 +63,8 @@ class Sample:
     error: str | None
     """Why the GPUs could not be read (the previous inventory is kept, marked stale)."""
     failed: dict[str, str] = field(default_factory=dict)
-    """The parts of this sample that failed (``"gpus"``, ``"claims"``, ``"history"``,
-    ``"render"``), each with why; empty when every part was read."""
+    """The parts of this sample that failed (``"gpus"``, ``"tensor"``, ``"claims"``,
+    ``"history"``, ``"render"``), each with why; empty when every part was read."""
     metrics: bytes = b""
     inventory_json: bytes = b""
     queue_json: bytes = b""
@@ -175,6 +177,9 @@ class Sampler:
         interval: seconds between readings, above 0.
         read: reads the machine; the default is :func:`gpukit.inventory`.
         host: the name this machine's readings are labelled with; None: its hostname.
+        tensor_activity: keeps each GPU's last GPM sample between readings, and gives the
+            tensor activity since; None: a new :class:`~gpukit.gpus.gpm.TensorActivity` on
+            the NVML :func:`gpukit.inventory` reads. :meth:`stop` frees its samples.
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class Sampler:
         *,
         read: Callable[[], Inventory] = inventory,
         host: str | None = None,
+        tensor_activity: TensorActivity | None = None,
     ) -> None:
         if not interval > 0 or interval == float("inf"):
             raise InvalidArgumentError(
@@ -193,6 +199,7 @@ class Sampler:
         self.host = socket.gethostname() if host is None else host
         """The machine's name as the page shows it."""
         self._read = read
+        self._tensor = TensorActivity() if tensor_activity is None else tensor_activity
         self.history = History()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -216,12 +223,14 @@ class Sampler:
         previous = self._latest
         failed: dict[str, str] = {}
         inv = self._read_gpus(previous, failed)
+        # The GPUs of an old reading get no tensor activity: GPM measures between two new ones.
+        tensor = self._read_tensor(inv, failed) if inv is not None and "gpus" not in failed else {}
         queue = self._read_claims(inv, failed) if inv is not None else None
         try:
-            sample = self._render(inv, queue, failed)
+            sample = self._render(inv, queue, failed, tensor)
         except Exception as exc:  # a reading no renderer expected: still serve something
             failed["render"] = f"Rendering failed: {_why(exc)}"
-            sample = self._render(None, None, failed)
+            sample = self._render(None, None, failed, {})
         self._latest = sample  # one reference swap: readers see the old sample or the new one
         return sample
 
@@ -239,6 +248,13 @@ class Sampler:
             failed["history"] = f"History not updated: {_why(exc)}"
         return inv
 
+    def _read_tensor(self, inv: Inventory, failed: dict[str, str]) -> Mapping[str, float]:
+        try:
+            return self._tensor.read(inv)
+        except Exception as exc:  # a driver failing GPM: the GPUs' other readings still serve
+            failed["tensor"] = f"Tensor activity unknown: {_why(exc)}"
+            return {}
+
     @staticmethod
     def _read_claims(inv: Inventory, failed: dict[str, str]) -> Sharing | None:
         try:
@@ -249,7 +265,11 @@ class Sampler:
             return None
 
     def _render(
-        self, inv: Inventory | None, queue: Sharing | None, failed: dict[str, str]
+        self,
+        inv: Inventory | None,
+        queue: Sharing | None,
+        failed: dict[str, str],
+        tensor: Mapping[str, float],
     ) -> Sample:
         from gpukit.serve.metrics import exposition
 
@@ -276,7 +296,12 @@ class Sampler:
             error=error,
             failed=dict(failed),
             metrics=exposition(
-                inv, queue, ok="gpus" not in failed, stale=bool(failed), host=self.host
+                inv,
+                queue,
+                ok="gpus" not in failed,
+                stale=bool(failed),
+                host=self.host,
+                tensor_active=tensor,
             ),
             inventory_json=_dumps(inv_doc if inv_doc is not None else {"error": error}),
             queue_json=_dumps(queue_doc),
@@ -302,9 +327,10 @@ class Sampler:
                 print(f"gpukit serve: sampling failed: {exc!r}", file=sys.stderr)
 
     def stop(self) -> None:
-        """Stop sampling and wait for the thread to end."""
+        """Stop sampling, wait for the thread to end, and free the GPM samples kept."""
         self._stop.set()
         if self._thread is not None:
             with contextlib.suppress(RuntimeError):
                 self._thread.join(timeout=10)
             self._thread = None
+        self._tensor.close()
