@@ -169,8 +169,13 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_state.py",
         "tests/train/test_saves_edges.py",
         "tests/train/test_save_meeting.py",
+        "tests/train/test_writing_rules.py",
     ],
-    "gpukit.train._staging": ["tests/train/test_staging.py", "tests/train/test_state.py"],
+    "gpukit.train._staging": [
+        "tests/train/test_staging.py",
+        "tests/train/test_state.py",
+        "tests/train/test_staging_rules.py",
+    ],
     # A training state's sharded part is written by sharded processes alone: this process is
     # rank 0 of two there.
     "gpukit.train._sharded_part": [
