@@ -149,7 +149,11 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_precision.py",
         "tests/train/test_step_edges.py",
     ],
-    "gpukit.train.rng": ["tests/train/test_state.py", "tests/train/test_step_edges.py"],
+    "gpukit.train.rng": [
+        "tests/train/test_state.py",
+        "tests/train/test_step_edges.py",
+        "tests/train/test_rng_streams.py",
+    ],
     "gpukit.train.saves": [
         "tests/train/test_state.py",
         "tests/train/test_save_trust.py",

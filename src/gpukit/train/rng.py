@@ -101,12 +101,17 @@ def restore(state: object, *, where: str) -> None:
             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}.",
             hint="Resume with as many visible devices per process as the run had.",
         )
+    # Python and torch check their own states only when given them: a part one of them refuses
+    # puts back the streams already set, so that a refused restore changes nothing.
+    before = random.getstate(), torch.get_rng_state()
     try:
         random.setstate(python_state)
         torch.set_rng_state(cpu)
         if numpy_state is not None and (np := _numpy()) is not None:
             np.random.set_state(numpy_state)
     except (ValueError, TypeError, RuntimeError) as exc:
+        random.setstate(before[0])
+        torch.set_rng_state(before[1])
         raise CheckpointError(
             f"{where} holds random streams that gpukit cannot restore: {exc}.",
             hint="The file was changed or damaged after it was saved; resume from another save.",
