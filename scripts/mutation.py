@@ -186,9 +186,12 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_shard_checkpoint.py",
         "tests/train/test_shard_checkpoint_rules.py",
     ],
+    # Preemption in one process, then as rank 0 of two (the agreement, the told requeue).
     "gpukit.train.preempt": [
         "tests/train/test_preempt.py",
         "tests/train/test_preempt_and_loader_edges.py",
+        "tests/train/test_preempt_rules.py",
+        "tests/train/test_preempt_two_processes.py",
     ],
     "gpukit.train.shard": [
         "tests/train/test_shard_policy.py",

@@ -178,7 +178,7 @@ class Preemption:
                 f"the signals it stops on ({', '.join(s.name for s in self.signals)}).",
                 hint="Add it to signals=..., or leave it out of requeue_on.",
             )
-        check_bool("Preemption(requeue=...)", requeue)
+        check_bool("requeue", requeue)
         self.requeue = requeue
         self.group = group
         self._env = env
