@@ -158,6 +158,8 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_state.py",
         "tests/train/test_save_trust.py",
         "tests/train/test_saves_edges.py",
+        "tests/train/test_saves_markers.py",
+        "tests/train/test_saves_folder.py",
     ],
     "gpukit.train.state": [
         "tests/train/test_state.py",

@@ -362,7 +362,9 @@ def check_root(root: Path) -> None:
             f"Cannot use {root} for saves: it is not a folder.",
             hint="Pass a folder (it is made if it does not exist).",
         )
-    for info, what in ((link, "the link"), (found, "the folder")):
+    # A link is named only where there is one: a folder squatted in place is "the folder".
+    named = [(link, "the link")] if stat.S_ISLNK(link.st_mode) else []
+    for info, what in (*named, (found, "the folder")):
         if not _trusted(info.st_uid):
             raise CheckpointError(
                 f"Refused the save folder {root}: {what} belongs to {user_name(info.st_uid)}, "
