@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import FrameType
 
@@ -310,24 +309,6 @@ def test_close_gives_back_the_handlers_that_were_there_before() -> None:
         assert signal.getsignal(signal.SIGTERM) is term
     finally:
         signal.signal(signal.SIGUSR1, before)
-
-
-def test_installing_outside_the_main_thread_is_a_typed_error() -> None:
-    caught: list[BaseException] = []
-
-    def install() -> None:
-        try:
-            Preemption(env={}).install()
-        except BaseException as exc:
-            caught.append(exc)
-
-    thread = threading.Thread(target=install, name="loader")
-    thread.start()
-    thread.join()
-    assert len(caught) == 1
-    assert isinstance(caught[0], InvalidArgumentError)
-    assert "main thread" in str(caught[0])
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
 @pytest.mark.parametrize(

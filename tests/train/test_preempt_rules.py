@@ -169,6 +169,7 @@ def test_installing_in_another_thread_names_the_thread_and_says_where_to_install
         "Preemption in the main thread, around the training loop; should_stop() and stop() "
         "may then run in any thread."
     )
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # nothing was installed
 
 
 # --- which signal, which step --------------------------------------------------------------------
