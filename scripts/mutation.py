@@ -221,6 +221,7 @@ CORE: dict[str, list[str]] = {
         "tests/untrusted/test_streams_capped.py",
         "tests/untrusted/test_written_in_one_step.py",
         "tests/untrusted/test_boundaries.py",
+        "tests/untrusted/test_write_output_durable.py",
     ],
     "gpukit._tree": [
         "tests/test_tree.py",

@@ -171,6 +171,57 @@ def test_a_sharded_save_of_two_ranks_naming_every_shard_is_chosen(tmp_path: Path
     assert (info.path, info.world_size, info.sharded, passed) == (newer, 2, True, [])
 
 
+def _sharded_part_named(save: Path, names: list[str]) -> Callable[[dict[str, Any]], object]:
+    """A marker's change: its sharded part named as ``names``, each with its true size and
+    digest, so that only which files it names is wrong."""
+
+    def change(marker: dict[str, Any]) -> dict[str, Any]:
+        kept = [name for name in marker["files"] if not name.startswith("sharded/")] + names
+        return {
+            **marker,
+            "files": {name: (save / name).stat().st_size for name in kept},
+            "digests": {name: saves.digest(save / name) for name in kept},
+        }
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        [SHARDS[0]],  # the metadata alone: the ranks' shards neither sized nor digested
+        SHARDS[:2],  # rank 1's shards left out
+        [*SHARDS[:2], "sharded/__2_0.distcp"],  # a rank the save does not have
+        [SHARDS[0], "sharded/__0_1.distcp", SHARDS[2]],  # a second file of rank 0
+    ],
+    ids=["metadata-alone", "a-rank-left-out", "a-rank-too-many", "a-second-file-of-a-rank"],
+)
+def test_a_marker_naming_a_sharded_part_other_than_whole_passes_the_save_over(
+    tmp_path: Path, names: list[str]
+) -> None:
+    older = _made(tmp_path, 5)
+    newer = _made(tmp_path, 10, world=2, sharded=True)
+    for name in names:
+        if not (newer / name).exists():
+            (newer / name).write_bytes(b"")
+    _remark(newer, _sharded_part_named(newer, names))
+    reason = _passed_over_for_the_older(tmp_path, newer, older)
+    assert reason == "its marker names other files than those of a save by 2 processes"
+
+
+def test_a_save_whose_rank_wrote_no_shards_cannot_be_completed(tmp_path: Path) -> None:
+    folder = tmp_path / saves.save_name(10, TOKEN, 0)
+    (folder / saves.SHARDED).mkdir(parents=True)
+    for name in [saves.SHARED, saves.rank_file(0), saves.rank_file(1), *SHARDS[:2]]:
+        (folder / name).write_bytes(b"written")
+    with pytest.raises(CheckpointError) as raised:
+        saves.finish(folder, step=10, world_size=2)
+    assert raised.value.message == (
+        f"Cannot complete the save {folder}: sharded/__1_0.distcp is missing."
+    )
+    assert not (folder / saves.MARKER).exists()
+
+
 # --- a marker well-formed, its files not as it says --------------------------------------------
 
 

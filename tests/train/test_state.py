@@ -230,11 +230,12 @@ def test_a_sharded_part_replaced_by_a_link_to_a_folder_is_not_followed(tmp_path:
     only = next(tmp_path.iterdir())
     elsewhere = tmp_path.parent / "elsewhere"
     elsewhere.mkdir()
-    (elsewhere / ".metadata").write_bytes(b"")
-    (only / "sharded").symlink_to(elsewhere)
     marker = json.loads((only / saves.MARKER).read_text())
-    marker["files"]["sharded/.metadata"] = 0
-    marker["digests"]["sharded/.metadata"] = "0" * 32
+    for name in (".metadata", "__0_0.distcp"):  # the whole sharded part of one rank
+        (elsewhere / name).write_bytes(b"")
+        marker["files"][f"sharded/{name}"] = 0
+        marker["digests"][f"sharded/{name}"] = "0" * 32
+    (only / "sharded").symlink_to(elsewhere)
     (only / saves.MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="sharded is not a folder"):
         saves.check(only)

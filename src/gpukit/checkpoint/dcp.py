@@ -413,7 +413,11 @@ def write_dcp(
     shown = folder if target is None else target
     reason = ""
     try:
-        writer = FileSystemWriter(folder, sync_files=True, overwrite=False)
+        # One file a rank (``__<rank>_0.distcp``), written even where the rank holds no shard:
+        # a training state's marker names exactly these.
+        writer = FileSystemWriter(
+            folder, single_file_per_rank=True, thread_count=1, sync_files=True, overwrite=False
+        )
     except OSError as exc:
         reason = exc.strerror or str(exc)
     # Every rank enters DCP's collectives, or none does: a rank that cannot write is not waited for.

@@ -158,7 +158,9 @@ def finish(
     Raises:
         CheckpointError: a part is missing (a rank did not write its file).
     """
-    names = [SHARED, *(rank_file(r) for r in range(world_size)), *_shard_files(folder)]
+    names = [SHARED, *(rank_file(r) for r in range(world_size))]
+    if _shard_files(folder):  # each rank's shards and the metadata, or the save is incomplete
+        names += _sharded_part(world_size)
     given = digests or {}
     sizes: dict[str, int] = {}
     sums: dict[str, str] = {}
@@ -258,15 +260,14 @@ def _checked_marker(folder: Path) -> SaveInfo:
 
 
 def _sharded_part_named(names: set[str], world: int) -> bool:
-    """Whether ``names`` are none, or the files of a sharded part written by ``world`` ranks:
-    its ``.metadata`` and data files of ranks below ``world``."""
-    if not names:
-        return True
-    for name in names:
-        match = _SHARD_FILE.match(name)
-        if match is None or (match.group(1) is not None and int(match.group(1)) >= world):
-            return False
-    return f"{SHARDED}/.metadata" in names
+    """Whether ``names`` are none, or the whole sharded part of a save by ``world`` ranks."""
+    return not names or names == set(_sharded_part(world))
+
+
+def _sharded_part(world: int) -> list[str]:
+    """The files of a sharded part written by ``world`` ranks: DCP's ``.metadata`` and one data
+    file per rank (DCP's writer, with one thread, writes one file a rank, empty or not)."""
+    return [f"{SHARDED}/.metadata", *(f"{SHARDED}/__{rank}_0.distcp" for rank in range(world))]
 
 
 def check(folder: Path) -> SaveInfo:
