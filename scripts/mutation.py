@@ -142,12 +142,21 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_step_context.py",
         "tests/train/test_accumulate.py",
     ],
+    # The step in one process, then as rank 0 of two (DDP's no_sync, exact mode's sum).
     "gpukit.train.step": [
         "tests/train/test_step_arguments.py",
         "tests/train/test_step_context.py",
         "tests/train/test_accumulate.py",
         "tests/train/test_precision.py",
         "tests/train/test_step_edges.py",
+        "tests/train/test_scaler.py",
+        "tests/train/test_stand_in.py",
+        "tests/train/test_exact_mode.py",
+        "tests/train/test_exact_two_processes.py",
+        "tests/train/test_accumulate_two_processes.py",
+        "tests/train/test_state.py",
+        "tests/train/test_step_rules.py",
+        "tests/train/test_step_two_processes.py",
     ],
     "gpukit.train.rng": [
         "tests/train/test_state.py",
