@@ -467,7 +467,8 @@ class TrainingState:
         if type(step) is not int or step < 0:
             raise _malformed(path / saves.SHARED, "the step")
         parted = shared.get("sharded", [])
-        if type(parted) is not list or not all(name in ("model", "optimizer") for name in parted):
+        # As save writes it: none, the model, or the model and its optimizer (sorted).
+        if parted not in ([], ["model"], ["model", "optimizer"]):
             raise _malformed(path / saves.SHARED, "the list of sharded parts")
         if info.sharded != ("model" in parted):
             raise _malformed(path / saves.SHARED, "the sharded part")
