@@ -238,6 +238,7 @@ CORE: dict[str, list[str]] = {
         "tests/untrusted/test_written_in_one_step.py",
         "tests/untrusted/test_boundaries.py",
         "tests/untrusted/test_write_output_durable.py",
+        "tests/untrusted/test_layer_rules.py",
     ],
     "gpukit._tree": [
         "tests/test_tree.py",
