@@ -701,6 +701,38 @@ def test_a_sharded_model_and_its_optimizer_resume_exactly(
 
 
 @pytest.mark.usefixtures("alone")
+def test_an_asynchronous_save_of_a_sharded_model_holds_the_weights_of_its_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop steps on while the save is written: what is written is what save() was given.
+    held, run = threading.Event(), SaveJob.run
+
+    def held_back(job: SaveJob) -> Path:
+        assert held.wait(60), "the test never let the save be written"
+        return run(job)
+
+    monkeypatch.setattr(SaveJob, "run", held_back)
+    net, opt = _sharded()
+    with TrainingState(tmp_path, model=net, optimizer=opt, asynchronous=True) as state:
+        _trained_sharded(net, opt, 1)
+        at_save, moments = _full(net), _moments(opt)
+        state.save()
+        _trained_sharded(net, opt, 2)  # while the save waits to be written
+        held.set()
+        assert _full(net)["blocks.0.weight"].tolist() != at_save["blocks.0.weight"].tolist()
+        state.wait()
+    monkeypatch.setattr(SaveJob, "run", run)
+    again, fresh = _sharded()
+    with TrainingState(tmp_path, model=again, optimizer=fresh) as state:
+        assert state.resume() is not None
+        assert state.step == 1
+    assert {k: v.tolist() for k, v in _full(again).items()} == {
+        k: v.tolist() for k, v in at_save.items()
+    }
+    assert [t.tolist() for t in _moments(fresh)] == [t.tolist() for t in moments]
+
+
+@pytest.mark.usefixtures("alone")
 def test_a_sharded_model_saved_before_its_first_step_is_saved_at_step_0(tmp_path: Path) -> None:
     net, opt = _sharded()
     with TrainingState(tmp_path, model=net, optimizer=opt) as state:
