@@ -20,7 +20,7 @@ SRC = Path(gpukit.__file__).resolve().parent
 # never one above. The same order, with the reason for each place, is in docs/architecture.md.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("untrusted", "sizes", "holders"),
+    ("untrusted", "output", "sizes", "holders"),
     ("gpus",),  # below devices: devices.py asks gpus/visible.py whether CUDA has started
     ("sharing",),
     ("devices", "_tree", "_agree"),

@@ -17,7 +17,7 @@ import pytest
 from gpukit.gpus.fake_nvml import load_description
 from gpukit.gpus.gpustat_format import gpustat_json
 from gpukit.gpus.inventory import inventory
-from gpukit.untrusted import dumps
+from gpukit.output import dumps
 from tests.helpers.gpustat_driver import described_here, gpustat_text, sleepers
 
 HOSTILE_ARGS: list[str | bytes] = [

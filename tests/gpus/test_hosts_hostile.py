@@ -231,7 +231,7 @@ def test_any_hostile_document_from_a_host_is_read_or_refused_and_what_is_read_ca
     from rich.console import Console
 
     from gpukit.cli._gpu_table import build_hosts_table
-    from gpukit.untrusted import dumps
+    from gpukit.output import dumps
 
     document: object = {"schema": SCHEMA, "gpus": gpus, **extra}
     for _ in range(depth):  # sometimes buried deep in lists

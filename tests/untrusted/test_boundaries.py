@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpukit import untrusted
+from gpukit.output import dumps, json_safe, write_output
 from gpukit.untrusted import (
     DEPTH,
     InvalidInput,
@@ -21,8 +22,6 @@ from gpukit.untrusted import (
     as_int,
     as_list,
     as_str,
-    dumps,
-    json_safe,
     open_regular,
     parse_json,
     parse_toml,
@@ -30,7 +29,6 @@ from gpukit.untrusted import (
     read_bounded,
     read_file,
     read_streams,
-    write_output,
 )
 
 # -- sizes ---------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpukit.untrusted import InvalidInput, dumps, json_safe
+from gpukit.output import dumps, json_safe
+from gpukit.untrusted import InvalidInput
 
 
 def test_non_finite_numbers_are_written_as_null() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpukit import untrusted
+from gpukit.output import write_output
 from gpukit.untrusted import (
     DEPTH,
     InvalidInput,
@@ -28,7 +29,6 @@ from gpukit.untrusted import (
     printable,
     read_bounded,
     read_streams,
-    write_output,
 )
 
 # -- reading: never a byte past the first one over the limit ------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.untrusted import write_output
+from gpukit.output import write_output
 
 Event = tuple[str, str, bytes | str]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpukit.untrusted import write_output
+from gpukit.output import write_output
 
 
 def test_a_link_at_the_name_is_replaced_and_its_target_left_untouched(tmp_path: Path) -> None:

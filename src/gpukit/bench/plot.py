@@ -6,7 +6,7 @@ ratio, green where gpukit did better than the alternative and orange where it di
 the ratio written at its end. Each row says which way is better (from the result's own
 ``higher_is_better``) and carries its goal as a black mark. The title names the machine and
 whether ``--quick`` sizes were used. Rendered to bytes, so that the caller writes the file in
-one step (:func:`gpukit.untrusted.write_output`).
+one step (:func:`gpukit.output.write_output`).
 
 >>> picture = render(results, machine=machine_description(), quick=True)   # doctest: +SKIP
 """

@@ -43,7 +43,7 @@ def print_json(payload: dict[str, Any]) -> None:
     Non-finite numbers are written as ``null``: ``NaN`` and ``Infinity`` are not JSON, and a
     strict reader (``jq``, JavaScript) refuses the whole document for one of them.
     """
-    from gpukit.untrusted import dumps
+    from gpukit.output import dumps
 
     sys.stdout.write(dumps(payload, indent=2, default=str) + "\n")
 

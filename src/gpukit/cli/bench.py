@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from gpukit.cli._args import OutputFile
 from gpukit.cli._output import console
 from gpukit.errors import GpukitError, InvalidArgumentError
-from gpukit.untrusted import dumps, write_output
+from gpukit.output import dumps, write_output
 
 if TYPE_CHECKING:
     from gpukit.bench.core import BenchResult

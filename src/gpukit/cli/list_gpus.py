@@ -19,7 +19,7 @@ from gpukit.errors import ExitCode
 from gpukit.gpus.grants import Grant, granted_gpus
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.visible import VisibleDevices, visible_devices
-from gpukit.untrusted import dumps
+from gpukit.output import dumps
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType

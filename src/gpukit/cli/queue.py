@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 from gpukit.cli._args import Seconds, add_watch
 from gpukit.cli._output import human_bytes, na, print_json, say_if_fake
+from gpukit.output import dumps
 from gpukit.sharing.report import IDLE_AFTER_S, Sharing, sharing
-from gpukit.untrusted import dumps, printable
+from gpukit.untrusted import printable
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType

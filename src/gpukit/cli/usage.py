@@ -18,8 +18,8 @@ import time
 
 from gpukit.cli._output import print_json
 from gpukit.errors import InvalidArgumentError
+from gpukit.output import json_safe
 from gpukit.sharing.usage import Usage, usage
-from gpukit.untrusted import json_safe
 
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SPAN = re.compile(r"(\d+(?:\.\d+)?)([mhdw])")

@@ -29,8 +29,9 @@ from typing import Any
 from gpukit.errors import GpukitError, InvalidArgumentError
 from gpukit.gpus.gpm import TensorActivity
 from gpukit.gpus.inventory import Inventory, inventory
+from gpukit.output import dumps
 from gpukit.sharing.report import Sharing, sharing
-from gpukit.untrusted import dumps, printable
+from gpukit.untrusted import printable
 
 HISTORY_S = 3600.0
 """How far back the in-memory history reaches (the dashboard's charts show the last hour)."""

@@ -43,6 +43,7 @@ from typing import Any
 
 from gpukit.errors import GpukitError, LockFolderError
 from gpukit.holders import user_name
+from gpukit.output import dumps
 from gpukit.sharing.lockfiles import open_lock_file, opened_folder
 from gpukit.untrusted import (
     InvalidInput,
@@ -51,7 +52,6 @@ from gpukit.untrusted import (
     as_int,
     as_list,
     as_str,
-    dumps,
     parse_json,
 )
 

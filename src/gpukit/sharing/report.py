@@ -42,13 +42,14 @@ from gpukit.errors import GpukitError
 from gpukit.gpus.inventory import Inventory, inventory
 from gpukit.gpus.select import assess
 from gpukit.holders import Holder, user_name
+from gpukit.output import dumps
 from gpukit.sharing import waiters
 from gpukit.sharing.claims import current_claims
 from gpukit.sharing.lock_folder import lock_folder
 from gpukit.sharing.lockfiles import open_lock_file, opened_folder
 from gpukit.sharing.policy import holdings, load_policy
 from gpukit.sharing.waiters import Foreign, Waiter
-from gpukit.untrusted import InvalidInput, as_dict, dumps, parse_json, read_bounded
+from gpukit.untrusted import InvalidInput, as_dict, parse_json, read_bounded
 
 SCHEMA = "gpukit.queue/1"
 """The ``schema`` field of :meth:`Sharing.to_json`."""

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from gpukit import untrusted
+from gpukit import output, untrusted
 from gpukit.checkpoint import atomic as _atomic
 from gpukit.checkpoint import digests as _digests
 from gpukit.checkpoint.atomic import atomic_write, write_durable
@@ -183,7 +183,7 @@ def finish(
         "digest": "xxh3-128",
         "time_ns": time.time_ns(),
     }
-    data = untrusted.dumps(marker).encode()
+    data = output.dumps(marker).encode()
     fsync_folder(folder)
 
     def write(handle: BinaryIO, _path: Path) -> None:
