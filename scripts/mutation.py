@@ -142,9 +142,9 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_step_context.py",
         "tests/train/test_accumulate.py",
     ],
-    # The step in one process, then as rank 0 of two (counts summed over a group). Exact mode's
-    # sum and DDP's no_sync are reached in one process; the two-process runs of the loaders
-    # and the training state's tests would add a minute or more to each mutant.
+    # The step in one process, then as rank 0 of two (counts summed over a group, exact mode's
+    # sum over the ranks). DDP's no_sync is reached in one process; the two-process runs of
+    # the loaders and the training state's tests would add a minute or more to each mutant.
     "gpukit.train.step": [
         "tests/train/test_step_arguments.py",
         "tests/train/test_step_context.py",
@@ -156,6 +156,7 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_exact_mode.py",
         "tests/train/test_step_rules.py",
         "tests/train/test_step_two_processes.py",
+        "tests/train/test_exact_two_processes.py",
     ],
     "gpukit.train.rng": [
         "tests/train/test_state.py",

@@ -8,6 +8,8 @@ step trains right; these pin each rule on its own, so that a change to one is se
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -46,6 +48,17 @@ def _loss(model: nn.Module, rows: int = 4, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 3, generator=gen, dtype=torch.float64)
     return model(x).square().mean()
+
+
+@contextmanager
+def _at_first_batch(loader: Any) -> Iterator[Any]:
+    """Inside a loop over ``loader``, at its first batch; the loop is closed after, so that no
+    other test finds it still running."""
+    batches = iter(loader)
+    try:
+        yield next(batches)
+    finally:
+        batches.close()
 
 
 def _loader(n: int) -> DataLoader[Any]:
@@ -193,6 +206,82 @@ def test_an_exact_steps_state_names_its_cut() -> None:
     assert step.exact == ExactPlan(8, 4, 1)
 
 
+# -- exact mode's sum in one process -----------------------------------------------------------
+
+
+class _WithAnIdleWeight(nn.Module):
+    """A float32 model with a weight no loss reaches (its gradient stays None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(16, 8)
+        self.idle = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def _micro_batch(index: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + index))
+
+
+def _exact_gradients(counts: list[int] | None) -> list[torch.Tensor]:
+    """Exact mode's gradients of a step of four micro-batches of 4 samples, as the optimizer
+    is handed them (with ``counts``, each micro-batch's items; the second's loss then NaN)."""
+    model = _WithAnIdleWeight()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, accumulate=4, exact=ExactPlan(16, 4, 1))
+    seen: list[torch.Tensor] = []
+    for index in range(4):
+        step.begin(index, 4, 4, 16)
+        loss = model(_micro_batch(index)).square().mean()
+        if counts is not None and counts[index] == 0:
+            loss = loss * math.nan  # a micro-batch that counts no item: its loss is no one's
+        result = step(
+            loss,
+            count=None if counts is None else counts[index],
+            before_optimizer_step=lambda: seen.extend(
+                torch.zeros(3) if p.grad is None else p.grad.clone() for p in model.parameters()
+            ),
+        )
+    assert result
+    assert not any(torch.equal(a, b) for a, b in zip(seen, model.parameters(), strict=True))
+    return seen
+
+
+def _by_the_tree(weights: list[float]) -> list[torch.Tensor]:
+    """The gradients of each micro-batch's weighed loss, computed apart, added as exact mode's
+    tree adds four leaves: (g0 + g1) + (g2 + g3); a weight of 0 is a zero leaf."""
+    leaves = []
+    for index, weight in enumerate(weights):
+        model = _WithAnIdleWeight()
+        if weight:
+            (model(_micro_batch(index)).square().mean() * weight).backward()
+        leaves.append(
+            [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+        )
+    return [(a + b) + (c + d) for a, b, c, d in zip(*leaves, strict=True)]
+
+
+def test_exact_mode_adds_each_micro_batchs_weighed_gradients_by_the_fixed_tree() -> None:
+    expected = _by_the_tree([0.25] * 4)  # 4 of the step's 16 samples each
+    assert all(torch.equal(a, b) for a, b in zip(_exact_gradients(None), expected, strict=True))
+    # autograd's running sum, ((g0 + g1) + g2) + g3, gives other bits for these batches
+    model = _WithAnIdleWeight()
+    for index in range(4):
+        (model(_micro_batch(index)).square().mean() * 0.25).backward()
+    assert not torch.equal(model.layer.weight.grad, expected[0])
+
+
+def test_exact_mode_weighs_counts_and_adds_a_micro_batch_of_no_item_as_zeros_even_its_nan() -> None:
+    # With counts, each loss weighs its count, and the step's sum is weighed by 1 / the total.
+    found = _exact_gradients([1, 0, 3, 2])
+    expected = [g * (1 / 6) for g in _by_the_tree([1.0, 0.0, 3.0, 2.0])]
+    assert all(torch.equal(a, b) for a, b in zip(found, expected, strict=True))
+    assert all(bool(torch.isfinite(g).all()) for g in found)
+
+
 # -- the plain optimizer step in a prepared loop -----------------------------------------------
 
 
@@ -200,9 +289,7 @@ def test_the_plain_optimizer_step_is_refused_in_full_words_while_accumulating() 
     model = _model(1)
     opt = _sgd(model)
     model, opt, loader = dist.prepare(model, opt, _loader(16), global_batch_size=8, accumulate=2)
-    batches = iter(loader)
-    next(batches)  # in the loop, at its first micro-batch
-    with pytest.raises(InvalidArgumentError) as refused:
+    with _at_first_batch(loader), pytest.raises(InvalidArgumentError) as refused:
         opt.step()
     assert refused.value.message == (
         "opt.step() was called in a loop over a loader prepared with accumulate=2: it would "
@@ -221,9 +308,7 @@ def test_the_plain_optimizer_step_is_refused_under_fp16_naming_fp16() -> None:
     loader = dist.DistributedLoader(
         _loader(8), batch_size=4, rank=0, world_size=1, seed=0, train_step=step, device=CPU
     )
-    batches = iter(loader)
-    next(batches)
-    with pytest.raises(InvalidArgumentError) as refused:
+    with _at_first_batch(loader), pytest.raises(InvalidArgumentError) as refused:
         opt.step()
     assert refused.value.message.startswith(
         "opt.step() was called in a loop over a loader prepared with fp16 precision: "
@@ -248,6 +333,20 @@ def test_the_plain_optimizer_step_stays_refused_after_a_step_and_is_free_outside
     model(torch.ones(1, 1, dtype=torch.float64)).sum().backward()
     opt.step()  # outside the loop: the user's own step
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_step_in_a_loop_over_a_loader_prepared_without_an_optimizer_is_refused_saying_why() -> None:
+    # evaluation: no optimizer, no step
+    model, loader = dist.prepare(_model(1), loader=_loader(8), per_device_batch_size=4)
+    with _at_first_batch(loader) as (x, _), pytest.raises(InvalidArgumentError) as refused:
+        dist.step(model(x).sum())
+    assert refused.value.message == (
+        "step(loss) was called outside a loop over a loader prepared with an optimizer."
+    )
+    assert refused.value.hint == (
+        "Call it inside `for batch in loader:` for the loader from prepare(model, opt, "
+        "loader, ...), or use gk.train.TrainStep(model, opt) directly."
+    )
 
 
 # -- saving between micro-batches, and resuming with another scaler -----------------------------
