@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gpukit.train import TrainStep
+from gpukit.train.exact import ExactPlan
 from tests.helpers.two_processes import OtherRank, two_processes
 
 
@@ -65,3 +66,56 @@ def test_a_hand_made_step_in_a_group_sums_its_counts_over_the_group_only_when_to
     total = 8 if options.get("distributed") else 4
     expected = [(p.grad / total).flatten().tolist() for p in model.parameters()]
     assert mine == expected
+
+
+def _micro_batch(index: int) -> torch.Tensor:
+    return torch.randn(
+        2, 3, generator=torch.Generator().manual_seed(20 + index), dtype=torch.float64
+    )
+
+
+def _exact_step(rank: int, window: int) -> list[list[float]]:
+    """One exact step of ``window`` samples cut into micro-batches of 2, two per rank: this
+    rank's gradients as its optimizer is handed them. Rank r holds micro-batches 2r and 2r+1;
+    one past the window is empty (its loss over no sample, NaN)."""
+    model = _model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        accumulate=2,
+        exact=ExactPlan(8, 2, 2),
+    )
+    seen: list[list[float]] = []
+    for local in range(2):
+        index = 2 * rank + local
+        samples = 2 if 2 * index < window else 0
+        step.begin(local, 2, samples, window)
+        loss = model(_micro_batch(index)[:samples]).square().mean()
+        step(
+            loss,
+            before_optimizer_step=lambda: seen.extend(
+                p.grad.flatten().tolist() for p in model.parameters()
+            ),
+        )
+    return seen
+
+
+@pytest.mark.parametrize("window", [8, 4], ids=["every-rank-holds-samples", "rank-1-holds-none"])
+def test_an_exact_step_gives_both_ranks_the_trees_sum_of_the_real_micro_batches(
+    other: OtherRank, window: int
+) -> None:
+    other.run(_exact_step, window)
+    mine = _exact_step(0, window)
+    theirs = other.result()
+    leaves = []
+    for index in range(window // 2):  # each micro-batch weighs its 2 of the window's samples
+        model = _model()
+        (model(_micro_batch(index)).square().mean() * (2 / window)).backward()
+        leaves.append([p.grad for p in model.parameters()])
+    if window == 8:
+        summed = [(a + b) + (c + d) for a, b, c, d in zip(*leaves, strict=True)]
+    else:
+        summed = [a + b for a, b in zip(*leaves, strict=True)]
+    expected = [g.flatten().tolist() for g in summed]
+    assert mine == expected
+    assert theirs == expected
