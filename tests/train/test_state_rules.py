@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as tdist
 from torch import nn
 
 from gpukit.errors import CheckpointError, InvalidArgumentError
@@ -503,7 +501,7 @@ def test_an_optimizer_state_the_optimizer_cannot_take_is_refused_saying_why(
         state.resume()
     _said(
         caught.value,
-        f"{save / saves.SHARED} holds a optimizer state that this optimizer cannot take: it "
+        f"{save / saves.SHARED} holds an optimizer state that this optimizer cannot take: it "
         "has 1 parameter groups, this optimizer has 2.",
         "Resume with the optimizer the run saved (same kind, same parameters).",
     )
@@ -630,16 +628,6 @@ class Stack(nn.Module):
         return x
 
 
-@pytest.fixture
-def alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = tmp_path_factory.mktemp("group") / "store"
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        tdist.destroy_process_group()
-
-
 def _sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
     net = shard(Stack(), device=torch.device("cpu"), weight=lambda: 1.0)
     return net, torch.optim.AdamW(net.parameters(), lr=0.01)
@@ -668,7 +656,7 @@ def _moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 @pytest.mark.parametrize("asynchronous", [True, False])
 def test_a_sharded_model_and_its_optimizer_resume_exactly(
     tmp_path: Path, asynchronous: bool
@@ -700,7 +688,7 @@ def test_a_sharded_model_and_its_optimizer_resume_exactly(
     assert fresh_sched.state_dict() == sched.state_dict()
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 def test_an_asynchronous_save_of_a_sharded_model_holds_the_weights_of_its_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -732,7 +720,7 @@ def test_an_asynchronous_save_of_a_sharded_model_holds_the_weights_of_its_call(
     assert [t.tolist() for t in _moments(fresh)] == [t.tolist() for t in moments]
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 def test_a_sharded_model_saved_before_its_first_step_is_saved_at_step_0(tmp_path: Path) -> None:
     net, opt = _sharded()
     with TrainingState(tmp_path, model=net, optimizer=opt) as state:
@@ -743,7 +731,7 @@ def test_a_sharded_model_saved_before_its_first_step_is_saved_at_step_0(tmp_path
     assert saved.name.startswith("step-000000000-")
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 def test_a_sharded_model_without_an_optimizer_resumes_its_weights(tmp_path: Path) -> None:
     net, _ = _sharded()
     with torch.no_grad():
@@ -766,7 +754,7 @@ def test_a_sharded_model_without_an_optimizer_resumes_its_weights(tmp_path: Path
     }
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 def test_an_unsharded_save_resumes_into_a_sharded_model_and_its_optimizer(tmp_path: Path) -> None:
     plain = Stack()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
@@ -789,7 +777,7 @@ def test_an_unsharded_save_resumes_into_a_sharded_model_and_its_optimizer(tmp_pa
     }
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 def test_an_unsharded_save_without_an_optimizer_is_refused_to_a_sharded_run_with_one(
     tmp_path: Path,
 ) -> None:
@@ -803,12 +791,12 @@ def test_an_unsharded_save_without_an_optimizer_is_refused_to_a_sharded_run_with
         state.resume()
     _said(
         caught.value,
-        f"{save} holds no optimizer state, and this run has a optimizer.",
-        "Resume without a optimizer, or from a save of a run that had one.",
+        f"{save} holds no optimizer state, and this run has an optimizer.",
+        "Resume without an optimizer, or from a save of a run that had one.",
     )
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 def test_an_unsharded_optimizer_state_a_sharded_one_cannot_take_is_refused(
     tmp_path: Path,
 ) -> None:
@@ -834,7 +822,7 @@ def test_an_unsharded_optimizer_state_a_sharded_one_cannot_take_is_refused(
     )
 
 
-@pytest.mark.usefixtures("alone")
+@pytest.mark.usefixtures("group_of_one")
 def test_a_sharded_save_resumes_into_an_unsharded_model(tmp_path: Path) -> None:
     net, opt = _sharded()
     with TrainingState(tmp_path, model=net, optimizer=opt) as state:

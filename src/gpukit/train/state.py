@@ -477,17 +477,18 @@ class TrainingState:
             if name in loaded:
                 continue
             stored = _FORMER_TRAIN_STEP if name == "train_step" and name not in shared else name
+            a = "an" if name[0] in "aeiou" else "a"  # an optimizer, a scheduler
             if stored not in shared:
                 raise CheckpointError(
-                    f"{path} holds no {name} state, and this run has a {name}.",
-                    hint=f"Resume without a {name}, or from a save of a run that had one.",
+                    f"{path} holds no {name} state, and this run has {a} {name}.",
+                    hint=f"Resume without {a} {name}, or from a save of a run that had one.",
                 )
             try:
                 _check_part(name, shared[stored], part)
                 part.load_state_dict(shared[stored])
             except InvalidInput as exc:
                 raise CheckpointError(
-                    f"{path / saves.SHARED} holds a {name} state that this {name} cannot take: "
+                    f"{path / saves.SHARED} holds {a} {name} state that this {name} cannot take: "
                     f"{exc}.",
                     hint=f"Resume with the {name} the run saved (same kind, same parameters).",
                 ) from None
@@ -495,7 +496,7 @@ class TrainingState:
                 raise
             except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
                 raise CheckpointError(
-                    f"{path} holds a {name} state that this {name} cannot take: "
+                    f"{path} holds {a} {name} state that this {name} cannot take: "
                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                     hint=f"Resume with the {name} the run saved (same kind, same parameters).",
                 ) from None
