@@ -61,6 +61,11 @@ def _at_first_batch(loader: Any) -> Iterator[Any]:
         batches.close()
 
 
+def _said(error: InvalidArgumentError, message: str, hint: str) -> None:
+    """``error`` says ``message`` and, as its next step, ``hint``: each whole."""
+    assert (error.message, error.hint) == (message, hint)
+
+
 def _loader(n: int) -> DataLoader[Any]:
     x = torch.arange(n, dtype=torch.float64)[:, None]
     return DataLoader(TensorDataset(x, 2 * x), batch_size=4)
@@ -96,9 +101,10 @@ def test_a_context_of_another_training_step_is_refused_saying_what_to_do() -> No
     TrainStep(model, _sgd(model), context=context)
     with pytest.raises(InvalidArgumentError) as refused:
         TrainStep(model, _sgd(model), context=context)
-    assert refused.value.message == "this step context already belongs to another training step."
-    assert refused.value.hint == (
-        "Give each TrainStep its own StepContext (prepare() makes one per loader)."
+    _said(
+        refused.value,
+        "this step context already belongs to another training step.",
+        "Give each TrainStep its own StepContext (prepare() makes one per loader).",
     )
 
 
@@ -114,12 +120,11 @@ def test_a_precision_neither_a_name_nor_resolved_is_refused_naming_its_type() ->
     model = _model()
     with pytest.raises(InvalidArgumentError) as refused:
         TrainStep(model, _sgd(model), precision=16)  # type: ignore[arg-type]
-    assert refused.value.message == (
-        "TrainStep got precision=16 (a int), neither a precision's name nor a resolved Precision."
-    )
-    assert refused.value.hint == (
+    _said(
+        refused.value,
+        "TrainStep got precision=16 (a int), neither a precision's name nor a resolved Precision.",
         "Pass one of 'auto', 'bf16-mixed', 'fp16-mixed', 'fp32' (as prepare() takes them), "
-        "or gk.train.resolve_precision(name, device)."
+        "or gk.train.resolve_precision(name, device).",
     )
 
 
@@ -291,13 +296,12 @@ def test_the_plain_optimizer_step_is_refused_in_full_words_while_accumulating() 
     model, opt, loader = dist.prepare(model, opt, _loader(16), global_batch_size=8, accumulate=2)
     with _at_first_batch(loader), pytest.raises(InvalidArgumentError) as refused:
         opt.step()
-    assert refused.value.message == (
+    _said(
+        refused.value,
         "opt.step() was called in a loop over a loader prepared with accumulate=2: it would "
-        "step on every micro-batch, with unweighted or unscaled gradients."
-    )
-    assert refused.value.hint == (
+        "step on every micro-batch, with unweighted or unscaled gradients.",
         "End each batch with gk.distributed.step(loss) in place of "
-        "opt.zero_grad(); loss.backward(); opt.step()."
+        "opt.zero_grad(); loss.backward(); opt.step().",
     )
 
 
@@ -340,12 +344,11 @@ def test_step_in_a_loop_over_a_loader_prepared_without_an_optimizer_is_refused_s
     model, loader = dist.prepare(_model(1), loader=_loader(8), per_device_batch_size=4)
     with _at_first_batch(loader) as (x, _), pytest.raises(InvalidArgumentError) as refused:
         dist.step(model(x).sum())
-    assert refused.value.message == (
-        "step(loss) was called outside a loop over a loader prepared with an optimizer."
-    )
-    assert refused.value.hint == (
+    _said(
+        refused.value,
+        "step(loss) was called outside a loop over a loader prepared with an optimizer.",
         "Call it inside `for batch in loader:` for the loader from prepare(model, opt, "
-        "loader, ...), or use gk.train.TrainStep(model, opt) directly."
+        "loader, ...), or use gk.train.TrainStep(model, opt) directly.",
     )
 
 
@@ -359,12 +362,11 @@ def test_a_save_between_micro_batches_is_refused_counting_the_micro_batches_done
     step(_loss(model))
     with pytest.raises(InvalidArgumentError) as refused:
         step.state_dict()
-    assert refused.value.message == (
+    _said(
+        refused.value,
         "the training step is between micro-batches (2 of 3 done): a save now would lose their "
-        "accumulated gradients, and the resumed run would differ."
-    )
-    assert refused.value.hint == (
-        "Save after an optimizer step: when the result of dist.step(...) is true."
+        "accumulated gradients, and the resumed run would differ.",
+        "Save after an optimizer step: when the result of dist.step(...) is true.",
     )
 
 
@@ -377,13 +379,14 @@ def test_a_state_of_the_other_precision_is_refused_saying_which_has_the_scaler(
     loader = TrainStep(_model(), _sgd(_model()), precision="fp32" if saved_scaled else FP16_ON_CPU)
     with pytest.raises(InvalidArgumentError) as refused:
         loader.load_state_dict(saver.state_dict())
-    assert refused.value.message == (
+    _said(
+        refused.value,
         "the training-step state was saved with an fp16 gradient scaler, and this run does not."
         if saved_scaled
         else "the training-step state was saved without an fp16 gradient scaler, and this run "
-        "uses one."
+        "uses one.",
+        "Resume with the precision= the state was saved with.",
     )
-    assert refused.value.hint == "Resume with the precision= the state was saved with."
 
 
 # -- the clipping norm's refusals ----------------------------------------------------------------
@@ -439,9 +442,10 @@ def test_a_check_before_the_optimizer_step_that_is_not_callable_is_refused_sayin
     step = TrainStep(model, _sgd(model))
     with pytest.raises(InvalidArgumentError) as refused:
         step(_loss(model), before_optimizer_step="check")  # type: ignore[arg-type]
-    assert refused.value.message == "before_optimizer_step='check' is not callable."
-    assert refused.value.hint == (
-        "Pass a function of no argument, such as before_optimizer_step=check, or leave it out."
+    _said(
+        refused.value,
+        "before_optimizer_step='check' is not callable.",
+        "Pass a function of no argument, such as before_optimizer_step=check, or leave it out.",
     )
 
 
@@ -527,8 +531,9 @@ def test_clipping_in_exact_mode_with_a_sharded_model_is_refused_saying_why() -> 
     )
     with pytest.raises(InvalidArgumentError) as refused:
         step(_loss(sharded), clip_grad_norm=1.0)
-    assert refused.value.message == (
+    _said(
+        refused.value,
         "clip_grad_norm= in exact mode with a sharded model: the norm adds every rank's shards "
-        "in the backend's order, which changes with the number of processes."
+        "in the backend's order, which changes with the number of processes.",
+        "Clip in exact mode without shard=, or shard without exact=True.",
     )
-    assert refused.value.hint == "Clip in exact mode without shard=, or shard without exact=True."
