@@ -202,6 +202,7 @@ CORE: dict[str, list[str]] = {
     # A training state's sharded part is written by sharded processes alone: this process is
     # rank 0 of two there.
     "gpukit.train._sharded_part": [
+        "tests/train/test_shard_two_processes.py",
         "tests/train/test_shard_checkpoint.py",
         "tests/train/test_shard_checkpoint_rules.py",
     ],
@@ -213,6 +214,7 @@ CORE: dict[str, list[str]] = {
         "tests/train/test_preempt_two_processes.py",
     ],
     "gpukit.train.shard": [
+        "tests/train/test_shard_two_processes.py",
         "tests/train/test_shard_policy.py",
         "tests/train/test_shard_checkpoint_rules.py",
         "tests/train/test_step_edges.py",

@@ -127,3 +127,36 @@ def test_a_weight_two_sibling_blocks_share_is_refused() -> None:
     model.layers[1].q.weight = model.layers[0].q.weight
     with pytest.raises(InvalidArgumentError, match=r"layers\.0\.q\.weight = layers\.1\.q\.weight"):
         _shard(model, True)
+
+
+def test_one_module_class_names_every_module_of_that_class() -> None:
+    model = Stack()
+    assert _names(model, blocks_to_shard(model, Block)) == ["blocks.2", "blocks.1", "blocks.0"]
+
+
+@pytest.mark.parametrize("policy", [int, [int], "Block"])
+def test_a_class_that_is_no_module_is_refused_with_the_whole_message_and_hint(
+    policy: object,
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        blocks_to_shard(Stack(), policy)  # type: ignore[arg-type]
+    assert caught.value.args[0].startswith(f"shard={policy!r} is not a sharding policy. ")
+    assert caught.value.hint == (
+        "Pass shard=True (each repeated block), a module class or a list of classes "
+        "(shard=[Block]), or a function that takes a module and returns True to shard it."
+    )
+
+
+def test_tied_weights_over_two_units_are_refused_with_the_whole_message_and_hint() -> None:
+    hint = (
+        "Leave the module that shares it out of shard= (a language model's head and its input "
+        "embedding can both stay in the root unit), or untie them."
+    )
+    message = (
+        "shard= puts the tied parameter embed.weight = head.weight into two sharded units, "
+        "which would train it as two parameters."
+    )
+    with pytest.raises(InvalidArgumentError) as raised:
+        _shard(TiedLanguageModel(), [nn.Embedding])
+    assert str(raised.value) == f"{message} {hint}"
+    assert raised.value.hint == hint
