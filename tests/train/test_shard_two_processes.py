@@ -278,7 +278,7 @@ def test_a_model_sharded_already_is_refused(other: OtherRank) -> None:
     mine, theirs = _both(other, sharded_twice)
     hint = "Shard a model once: pass the plain model to prepare(..., shard=...)."
     # fully_shard made the model's class FSDPStack
-    assert mine == ("InvalidArgumentError", f"the FSDPStack is sharded already. {hint}", hint)
+    assert mine == ("InvalidArgumentError", f"the Stack is sharded already. {hint}", hint)
     assert theirs == mine
 
 
@@ -595,6 +595,7 @@ def test_a_shard_file_damaged_inside_fails_the_read_on_every_rank(
     mine, theirs = _both(other, read_refused, [str(damaged), str(damaged)])
     assert mine[0] == "CheckpointError"
     assert mine[1].startswith(f"{damaged} cannot be read")
+    assert mine[4] == 0  # the fresh optimizer still without state
     assert theirs[0] == "CheckpointError"
 
 
@@ -605,7 +606,7 @@ def test_a_part_of_another_model_is_refused_on_every_rank_before_loading(
     mine, theirs = _both(other, read_refused, [folder, folder], 5)
     assert mine[0] == "CheckpointError"
     assert mine[1].startswith(f"{folder} does not fit the state it is loaded into: ")
-    assert mine[3]  # the weights untouched
+    assert mine[3:] == (True, 0)  # the weights untouched, the fresh optimizer still without state
     assert theirs == mine
 
 

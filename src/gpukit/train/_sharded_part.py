@@ -112,6 +112,7 @@ def read(folder: Path, model: nn.Module, optimizer: Any, group: Any) -> None:
             hint="Every rank must see the same save (a file system they share).",
         )
     state: dict[str, Any]
+    fresh = optimizer is not None and not optimizer.state
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
@@ -119,7 +120,12 @@ def read(folder: Path, model: nn.Module, optimizer: Any, group: Any) -> None:
         # learning rate): the state read next replaces it.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": dict(optimizer_state)}
-    checked.load(state, process_group=group)
+    try:
+        checked.load(state, process_group=group)
+    except BaseException:
+        if fresh:  # a refused read leaves a fresh optimizer without state, as it found it
+            optimizer.state.clear()
+        raise
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

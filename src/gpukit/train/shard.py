@@ -189,6 +189,12 @@ def _mesh(device: torch.device, group: dist.ProcessGroup | None) -> DeviceMesh:
     return DeviceMesh.from_group(whole, device_type=device.type)
 
 
+def _own_class(model: nn.Module) -> str:
+    """The name of the model's own class: ``fully_shard`` swaps it for ``FSDP<name>``, a
+    subclass of FSDPModule and of the model's class."""
+    return next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
 def shard(
     model: nn.Module,
     policy: ShardPolicy = True,
@@ -225,7 +231,7 @@ def shard(
     """
     if is_sharded(model):
         raise InvalidArgumentError(
-            f"the {type(model).__name__} is sharded already.",
+            f"the {_own_class(model)} is sharded already.",
             hint="Shard a model once: pass the plain model to prepare(..., shard=...).",
         )
     blocks = blocks_to_shard(model, policy)
