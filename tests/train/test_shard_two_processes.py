@@ -545,16 +545,21 @@ def test_a_sharded_part_read_without_the_optimizer_restores_the_weights_alone(
         _assert_equal(got[rank], weights)  # no moment: the fresh optimizer holds none
 
 
-def read_refused(rank: int, folders: list[str], width: int = 7) -> tuple[Any, ...]:
-    """Read ``folders[rank]`` into a sharded model of ``width``: the error, and whether the
-    model (and optimizer) kept its own state."""
+def read_refused(
+    rank: int, folders: list[str], width: int = 7, trained: bool = False
+) -> tuple[Any, ...]:
+    """Read ``folders[rank]`` into a sharded model of ``width`` (``trained`` a step first): the
+    error, whether the model (and a trained optimizer) kept its own state, and how many
+    parameters the optimizer holds a state of."""
     torch.manual_seed(0)
     net = work.Stack(width).double()
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     shard_model(net, True, device=CPU, weight=lambda: 1.0, optimizer=opt)
-    before = _local(net, None)
+    if trained:
+        _train(net, opt, rank, 1)
+    before = _local(net, opt if trained else None)
     error = _error(lambda: _sharded_part.read(Path(folders[rank]), net, opt, tdist.group.WORLD))
-    after = _local(net, None)
+    after = _local(net, opt if trained else None)
     kept = list(before) == list(after) and all(torch.equal(before[n], after[n]) for n in before)
     return (*error, kept, len(opt.state))
 
@@ -607,6 +612,16 @@ def test_a_part_of_another_model_is_refused_on_every_rank_before_loading(
     assert mine[0] == "CheckpointError"
     assert mine[1].startswith(f"{folder} does not fit the state it is loaded into: ")
     assert mine[3:] == (True, 0)  # the weights untouched, the fresh optimizer still without state
+    assert theirs == mine
+
+
+def test_a_refused_read_leaves_a_trained_optimizers_state_as_it_was(
+    other: OtherRank, saved: dict[str, Any]
+) -> None:
+    folder = str(saved["folder"])
+    mine, theirs = _both(other, read_refused, [folder, folder], 5, True)
+    assert mine[1].startswith(f"{folder} does not fit the state it is loaded into: ")
+    assert mine[3:] == (True, len(list(work.Stack(5).parameters())))  # weights and moments kept
     assert theirs == mine
 
 
