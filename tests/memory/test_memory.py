@@ -7,10 +7,12 @@ import json
 import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
+import torch.distributed as tdist
 from torch import nn
 
 import gpukit as gk
@@ -83,6 +85,32 @@ def test_memory_report_counts_a_storage_once_however_many_views_share_it() -> No
     ptr_sizes = [t.nbytes for t in report.tensors if t.nbytes == base.nbytes]
     assert len(ptr_sizes) == 1
     assert views
+
+
+@pytest.fixture
+def sharded_here(tmp_path: Path) -> Iterator[nn.Module]:
+    """A model sharded with FSDP2 over a gloo group of this process alone."""
+    from gpukit.train.shard import shard
+
+    tdist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 2))
+        yield shard(model, device=torch.device("cpu"), weight=lambda: 1.0)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_memory_report_of_a_sharded_model_counts_and_names_its_local_shards(
+    sharded_here: nn.Module,
+) -> None:
+    # A DTensor's own storage is no memory (reading its address raises): its shard, a plain
+    # tensor of this process, is what is counted and named.
+    for report in (gk.memory_report("cpu", top=50), gk.memory_report("cpu", module=sharded_here)):
+        weight = next(t for t in report.tensors if (t.name or "").endswith("0.weight"))
+        assert (weight.shape, weight.nbytes) == ((512, 512), 512 * 512 * 4)
 
 
 def test_memory_report_gives_process_rss_on_cpu() -> None:

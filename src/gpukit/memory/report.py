@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gpukit.devices import DeviceLike
@@ -138,10 +139,22 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
         return None
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+        nbytes = storage.nbytes()
+        return (storage.data_ptr(), nbytes) if nbytes else None
+    except (RuntimeError, NotImplementedError):
+        # A tensor subclass without a plain storage, or a wrapper whose storage is no memory
+        # (a DTensor: its local shard, a tensor of its own, holds the bytes).
         return None
-    nbytes = storage.nbytes()
-    return (storage.data_ptr(), nbytes) if nbytes else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s memory in this process: a DTensor's shard, else ``t``."""
+    if dist.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if _is(t, DTensor):
+            return t.to_local()
+    return t
 
 
 def _tensor_names(modules: list[nn.Module], *, prefixed: bool) -> dict[int, str]:
@@ -151,7 +164,7 @@ def _tensor_names(modules: list[nn.Module], *, prefixed: bool) -> dict[int, str]
         prefix = f"{type(module).__name__}." if prefixed else ""
         named = [*module.named_parameters(), *module.named_buffers()]
         for name, t in named:
-            key = _storage_key(t)
+            key = _storage_key(_local(t))
             if key is not None:
                 names.setdefault(key[0], prefix + name)
     return names
