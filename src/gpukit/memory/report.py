@@ -14,12 +14,12 @@ counted once, however many views share it.
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import MutableMapping, MutableSequence, MutableSet
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gpukit.devices import DeviceLike
@@ -148,12 +148,14 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor holding ``t``'s memory in this process: a DTensor's shard, else ``t``."""
-    if dist.is_available():
-        from torch.distributed.tensor import DTensor
+    """The tensor holding ``t``'s memory in this process: a DTensor's shard, else ``t``.
 
-        if _is(t, DTensor):
-            return t.to_local()
+    No DTensor exists before its module is imported, so a report never imports it (the rule
+    of ``checkpoint/dtensor.py``, a layer above this one)."""
+    tensors = sys.modules.get("torch.distributed.tensor")
+    if tensors is not None and _is(t, tensors.DTensor):
+        local: torch.Tensor = t.to_local()
+        return local
     return t
 
 

@@ -160,7 +160,7 @@ def finish(
     """
     names = [SHARED, *(rank_file(r) for r in range(world_size))]
     if _shard_files(folder):  # each rank's shards and the metadata, or the save is incomplete
-        names += _sharded_part(world_size)
+        names += _sharded_files(world_size)
     given = digests or {}
     sizes: dict[str, int] = {}
     sums: dict[str, str] = {}
@@ -261,10 +261,10 @@ def _checked_marker(folder: Path) -> SaveInfo:
 
 def _sharded_part_named(names: set[str], world: int) -> bool:
     """Whether ``names`` are none, or the whole sharded part of a save by ``world`` ranks."""
-    return not names or names == set(_sharded_part(world))
+    return not names or names == set(_sharded_files(world))
 
 
-def _sharded_part(world: int) -> list[str]:
+def _sharded_files(world: int) -> list[str]:
     """The files of a sharded part written by ``world`` ranks: DCP's ``.metadata`` and one data
     file per rank (DCP's writer, with one thread, writes one file a rank, empty or not)."""
     return [f"{SHARDED}/.metadata", *(f"{SHARDED}/__{rank}_0.distcp" for rank in range(world))]
